@@ -1,0 +1,5 @@
+import sys
+
+from eagle3.cli import main
+
+sys.exit(main())

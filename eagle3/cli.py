@@ -1,0 +1,46 @@
+"""Command line: `python -m eagle3 <command>`, for what is handy outside Airflow."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="eagle3")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    m = sub.add_parser("prepare-model", help="convert the shipped SmolLM2 GGUF into a cached HF folder; print its path")
+    m.add_argument("--cache-dir", default=None)
+    pf = sub.add_parser("preflight", help="run the preflight checks")
+    pf.add_argument("--model-path", required=True)
+    pf.add_argument("--output-dir", required=True)
+    pf.add_argument("--capture-layers", type=lambda s: [int(x) for x in s.split(",")], default=None)
+    pf.add_argument("--estimated-tokens", type=int, default=0)
+    pf.add_argument("--allow-cpu", action="store_true")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    if args.cmd == "prepare-model":
+        from eagle3.models import ensure_smollm2
+
+        print(ensure_smollm2(args.cache_dir))
+        return 0
+    if args.cmd == "preflight":
+        from eagle3.errors import PipelineError
+        from eagle3.preflight import PreflightConfig, run_preflight
+
+        try:
+            report = run_preflight(PreflightConfig(args.model_path, args.output_dir, args.capture_layers,
+                                                   args.estimated_tokens, allow_cpu=args.allow_cpu))
+        except PipelineError as e:
+            print(e, file=sys.stderr)
+            return 1
+        print(json.dumps({"ok": report["ok"], "device": report["device"]}))
+        return 0
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Hidden-state extraction: the target's forward pass, captured layers written as safetensors chunks."""

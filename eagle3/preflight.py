@@ -1,0 +1,221 @@
+"""Preflight: check the machine and the run's parameters before any expensive work starts.
+
+Every check runs (a failing one does not hide the next) and the report lists them all; the
+phase fails with every problem's message at once, so a user fixes them in one go.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import logging
+import os
+import platform
+import shutil
+import subprocess
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from eagle3.errors import ConfigError, PipelineError
+from eagle3.io import atomic_write_json
+from eagle3.models import default_capture_layers, model_info, validate_capture_layers
+
+log = logging.getLogger(__name__)
+
+OPTIONAL_PACKAGES = ("sglang", "flashinfer-python", "flash-attn", "vllm")
+NVIDIA_SMI_QUERY = "index,name,memory.total,memory.used,driver_version,compute_cap"
+
+
+@dataclass
+class PreflightConfig:
+    model_path: str
+    output_dir: str
+    capture_layers: list[int] | None = None  # HF hidden_states indices; None = [2, L//2, L-3]
+    estimated_tokens: int = 0  # tokens to extract; 0 = skip the disk estimate
+    bytes_per_value: int = 2  # bf16/fp16 storage
+    allow_cpu: bool = False
+    min_gpus: int = 1
+    disk_headroom: float = 1.1  # ask for 10% more than the estimate
+
+
+class PreflightError(PipelineError):
+    def __init__(self, failures: list[str], report: dict):
+        self.failures = failures
+        self.report = report
+        super().__init__("preflight failed:\n  - " + "\n  - ".join(failures))
+
+
+def extraction_bytes(tokens: int, num_capture_layers: int, hidden_size: int, bytes_per_value: int = 2) -> int:
+    """Bytes of hidden states for `tokens`: the capture layers plus the final state, per token."""
+    return int(tokens) * (num_capture_layers + 1) * hidden_size * bytes_per_value
+
+
+def parse_nvidia_smi(text: str) -> list[dict]:
+    """Parse `nvidia-smi --query-gpu=<NVIDIA_SMI_QUERY> --format=csv,noheader,nounits` output."""
+    gpus = []
+    for line in text.strip().splitlines():
+        parts = [p.strip() for p in line.split(",")]
+        if len(parts) != 6:
+            continue
+        idx, name, mem_total, mem_used, driver, cc = parts
+        gpus.append(
+            {
+                "index": int(idx),
+                "name": name,
+                "memory_total_mib": int(float(mem_total)),
+                "memory_used_mib": int(float(mem_used)),
+                "driver_version": driver,
+                "compute_capability": cc,
+            }
+        )
+    return gpus
+
+
+def gpu_report(nvidia_smi: str | None = "nvidia-smi") -> dict:
+    report: dict = {"nvidia_smi": None, "gpus": [], "torch": {}}
+    exe = shutil.which(nvidia_smi) if nvidia_smi else None
+    if exe:
+        try:
+            out = subprocess.run(
+                [exe, f"--query-gpu={NVIDIA_SMI_QUERY}", "--format=csv,noheader,nounits"],
+                capture_output=True, text=True, timeout=30, check=True,
+            ).stdout
+            report["nvidia_smi"] = exe
+            report["gpus"] = parse_nvidia_smi(out)
+        except (subprocess.SubprocessError, OSError) as e:
+            report["nvidia_smi_error"] = str(e)
+    import torch
+
+    t = {"version": torch.__version__, "cuda_available": torch.cuda.is_available(), "cuda_runtime": torch.version.cuda}
+    if t["cuda_available"]:
+        t["device_count"] = torch.cuda.device_count()
+        t["devices"] = [
+            {
+                "name": torch.cuda.get_device_name(i),
+                "compute_capability": ".".join(map(str, torch.cuda.get_device_capability(i))),
+                "memory_total_mib": torch.cuda.get_device_properties(i).total_memory // 2**20,
+            }
+            for i in range(t["device_count"])
+        ]
+    else:
+        t["device_count"] = 0
+    report["torch"] = t
+    return report
+
+
+def package_versions(names=OPTIONAL_PACKAGES) -> dict:
+    out = {}
+    for name in names:
+        try:
+            out[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            out[name] = "absent"
+    return out
+
+
+def _existing_parent(path: Path) -> Path:
+    path = path.absolute()
+    while not path.exists():
+        path = path.parent
+    return path
+
+
+def check_model(cfg: PreflightConfig, failures: list[str]) -> dict:
+    try:
+        info = model_info(cfg.model_path)
+    except ConfigError as e:
+        failures.append(str(e))
+        return {}
+    out = {"info": info.to_dict()}
+    path = Path(cfg.model_path)
+    weights = sorted(path.glob("*.safetensors")) + sorted(path.glob("*.bin"))
+    if not weights:
+        failures.append(f"model_path {path}: no *.safetensors or *.bin weight files")
+    for w in weights:
+        if not os.access(w, os.R_OK):
+            failures.append(f"model weights {w} are not readable")
+    out["weight_files"] = [w.name for w in weights]
+    out["weight_bytes"] = sum(w.stat().st_size for w in weights if w.exists())
+    has_template = (path / "chat_template.jinja").is_file()
+    tok_cfg = path / "tokenizer_config.json"
+    if not has_template and tok_cfg.is_file():
+        try:
+            has_template = bool(json.loads(tok_cfg.read_text()).get("chat_template"))
+        except (OSError, json.JSONDecodeError) as e:
+            failures.append(f"{tok_cfg}: unreadable: {e}")
+    if not has_template:
+        failures.append(f"model_path {path}: the tokenizer has no chat template (chat_template.jinja or tokenizer_config.json)")
+    out["chat_template"] = has_template
+    layers = cfg.capture_layers if cfg.capture_layers is not None else default_capture_layers(info.num_layers)
+    try:
+        out["capture_layers"] = validate_capture_layers(layers, info)
+        out["sglang_aux_layer_ids"] = [i - 1 for i in out["capture_layers"]]
+    except ConfigError as e:
+        failures.append(str(e))
+    return out
+
+
+def check_disk(cfg: PreflightConfig, n_layers: int, hidden: int, failures: list[str]) -> dict:
+    where = _existing_parent(Path(cfg.output_dir))
+    usage = shutil.disk_usage(where)
+    need = extraction_bytes(cfg.estimated_tokens, n_layers, hidden, cfg.bytes_per_value)
+    out = {"path": str(where), "free_bytes": usage.free, "estimated_extraction_bytes": need,
+           "required_bytes": int(need * cfg.disk_headroom)}
+    if need and usage.free < out["required_bytes"]:
+        failures.append(
+            f"not enough disk at {where}: extraction needs ~{need / 1e9:.2f} GB "
+            f"({cfg.estimated_tokens} tokens x {n_layers + 1} states x {hidden} hidden x {cfg.bytes_per_value} B, "
+            f"+{(cfg.disk_headroom - 1) * 100:.0f}% headroom) but only {usage.free / 1e9:.2f} GB is free"
+        )
+    return out
+
+
+def run_preflight(cfg: PreflightConfig, nvidia_smi: str | None = "nvidia-smi") -> dict:
+    """Run every check, write `<output_dir>/preflight.json`, raise PreflightError listing all failures."""
+    failures: list[str] = []
+    report: dict = {"host": platform.node(), "python": platform.python_version()}
+    report["gpu"] = gpu_report(nvidia_smi)
+    report["packages"] = package_versions()
+    n_gpus = report["gpu"]["torch"]["device_count"]
+    report["device"] = "cuda" if n_gpus else "cpu"
+    if n_gpus < cfg.min_gpus and not cfg.allow_cpu:
+        failures.append(
+            f"found {n_gpus} usable GPU(s) (torch.cuda), need {cfg.min_gpus}; set allow_cpu=true to run on the CPU"
+        )
+    report["model"] = check_model(cfg, failures)
+    info = report["model"].get("info")
+    if info:
+        n_layers = len(report["model"].get("capture_layers") or [0, 0, 0])
+        report["disk"] = check_disk(cfg, n_layers, info["hidden_size"], failures)
+    report["failures"] = failures
+    report["ok"] = not failures
+    out = Path(cfg.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(out / "preflight.json", report)
+    log.info("preflight report:\n%s", format_report(report))
+    if failures:
+        raise PreflightError(failures, report)
+    return report
+
+
+def format_report(report: dict) -> str:
+    g = report["gpu"]
+    lines = [f"host {report['host']}, python {report['python']}, torch {g['torch'].get('version')}"
+             f" (cuda runtime {g['torch'].get('cuda_runtime')}), device: {report['device']}"]
+    for gpu in g["gpus"]:
+        lines.append(f"  GPU{gpu['index']}: {gpu['name']} {gpu['memory_total_mib']} MiB, driver {gpu['driver_version']},"
+                     f" cc {gpu['compute_capability']}")
+    lines.append("  packages: " + ", ".join(f"{k} {v}" for k, v in report["packages"].items()))
+    m = report.get("model") or {}
+    if m.get("info"):
+        i = m["info"]
+        lines.append(f"  model {i['path']}: {i['model_type']}, {i['num_layers']} layers, hidden {i['hidden_size']},"
+                     f" vocab {i['vocab_size']}; capture layers {m.get('capture_layers')}")
+    if "disk" in report:
+        d = report["disk"]
+        lines.append(f"  disk {d['path']}: {d['free_bytes'] / 1e9:.1f} GB free, extraction needs"
+                     f" {d['estimated_extraction_bytes'] / 1e9:.2f} GB")
+    for f in report["failures"]:
+        lines.append(f"  FAIL: {f}")
+    lines.append("  OK" if report["ok"] else "  preflight FAILED")
+    return "\n".join(lines)

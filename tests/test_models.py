@@ -1,0 +1,72 @@
+import json
+import os
+import shutil
+import time
+
+import pytest
+import torch
+
+from eagle3.errors import ConfigError
+from eagle3.models import (
+    COMPLETE_MARKER, SANITY_PROMPT, default_capture_layers, ensure_smollm2, find_smollm2_gguf, greedy_reply,
+    load_model, model_info, validate_capture_layers,
+)
+
+
+def test_cached_model_is_reused_not_reconverted(smollm2_path):
+    marker = smollm2_path / COMPLETE_MARKER
+    before = marker.stat().st_mtime_ns
+    t0 = time.time()
+    assert ensure_smollm2(smollm2_path.parent) == smollm2_path
+    assert time.time() - t0 < 1.0
+    assert marker.stat().st_mtime_ns == before
+    meta = json.loads(marker.read_text())
+    assert meta["sanity_reply"]  # the conversion verified a non-empty greedy reply
+
+
+def test_model_info_reads_smollm2_config(smollm2_path):
+    info = model_info(smollm2_path)
+    assert (info.num_layers, info.hidden_size, info.vocab_size) == (30, 576, 49152)
+    assert info.model_type == "llama"
+    assert default_capture_layers(info.num_layers) == [2, 15, 27]
+
+
+def test_greedy_reply_from_converted_model(smollm2_model, smollm2_tokenizer):
+    reply = greedy_reply(smollm2_model, smollm2_tokenizer, SANITY_PROMPT)
+    assert "Paris" in reply
+
+
+def test_capture_layer_validation_names_layer_and_depth(smollm2_path):
+    info = model_info(smollm2_path)
+    assert validate_capture_layers([2, 15, 27], info) == [2, 15, 27]
+    with pytest.raises(ConfigError, match=r"capture layer 58 does not exist.*30 decoder layers.*0\.\.29"):
+        validate_capture_layers([2, 15, 58], info)
+    with pytest.raises(ConfigError, match="duplicates"):
+        validate_capture_layers([2, 2, 5], info)
+    with pytest.raises(ConfigError, match="not an int"):
+        validate_capture_layers([2, "x", 5], info)
+
+
+def test_model_info_errors_name_the_path(tmp_path):
+    with pytest.raises(ConfigError, match="no such directory"):
+        model_info(tmp_path / "nope")
+    with pytest.raises(ConfigError, match="no config.json"):
+        model_info(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 8}))
+    with pytest.raises(ConfigError, match="missing field 'num_hidden_layers'"):
+        model_info(tmp_path)
+
+
+@pytest.mark.slow
+def test_conversion_from_gguf_matches_cached_model(tmp_path, smollm2_path, smollm2_model):
+    """Convert the shipped GGUF afresh, reload it, and get the same logits as the cached folder."""
+    out = ensure_smollm2(tmp_path)
+    assert out == tmp_path / "SmolLM2-135M-Instruct"
+    for name in ("config.json", "model.safetensors", "tokenizer.json", COMPLETE_MARKER):
+        assert (out / name).is_file(), name
+    assert not list(tmp_path.glob(".*tmp*"))  # the temp folder was renamed, nothing left behind
+    fresh = load_model(out)
+    ids = torch.tensor([[1, 504, 3458, 282, 4649, 314, 2]])
+    with torch.no_grad():
+        torch.testing.assert_close(fresh(ids).logits, smollm2_model(ids).logits)
+    assert find_smollm2_gguf().is_file()
