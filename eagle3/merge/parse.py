@@ -9,6 +9,7 @@ and the good lines around it are kept.
 from __future__ import annotations
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
@@ -17,8 +18,10 @@ import pyarrow as pa
 import pyarrow.json as pajson
 
 FIELDS = ("sample_id", "dataset", "input_ids", "loss_mask")
+# Parsed straight into the output types: an id beyond int32 or a mask value beyond int8 fails the fast
+# path and is then named by the line-by-line path.
 JSON_SCHEMA = pa.schema([("sample_id", pa.string()), ("dataset", pa.string()),
-                         ("input_ids", pa.list_(pa.int64())), ("loss_mask", pa.list_(pa.int64()))])
+                         ("input_ids", pa.list_(pa.int32())), ("loss_mask", pa.list_(pa.int8()))])
 PARSED_SCHEMA = JSON_SCHEMA.append(pa.field("line", pa.int64()))
 _PARSE_OPTIONS = pajson.ParseOptions(explicit_schema=JSON_SCHEMA, unexpected_field_behavior="ignore")
 _ARROW_BLOCK = 4 << 20  # pyarrow parses blocks of this size on its threads
@@ -39,8 +42,8 @@ class ParsedBlock:
     nbytes: int = 0
 
 
-def iter_line_blocks(path: Path, block_bytes: int) -> Iterator[tuple[int, bytes]]:
-    """Yield (first line number, bytes) blocks that end on a line boundary (the last one may not)."""
+def iter_line_blocks(path: Path, block_bytes: int) -> Iterator[tuple[int, int, bytes]]:
+    """Yield (first line number, number of lines, bytes) blocks ending on a line boundary (the last may not)."""
     first_line = 1
     rest = b""
     with open(path, "rb") as f:
@@ -54,14 +57,25 @@ def iter_line_blocks(path: Path, block_bytes: int) -> Iterator[tuple[int, bytes]
                 rest = buf
                 continue
             block, rest = buf[:cut + 1], buf[cut + 1:]
-            yield first_line, block
-            first_line += block.count(b"\n")
+            n = block.count(b"\n")
+            yield first_line, n, block
+            first_line += n
     if rest:
-        yield first_line, rest
+        yield first_line, 1, rest
 
 
-def _count_lines(block: bytes) -> int:
-    return block.count(b"\n") + (0 if block.endswith(b"\n") else 1)
+def iter_parsed_blocks(path: Path, block_bytes: int, id_limit: int) -> Iterator[ParsedBlock]:
+    """parse_block over a file, one block parsed ahead on a thread (pyarrow releases the GIL), so reading and
+    parsing the next block overlaps the caller's work on this one. At most two blocks are in memory."""
+    with ThreadPoolExecutor(1) as pool:
+        pending = None
+        for first_line, n_lines, block in iter_line_blocks(path, block_bytes):
+            nxt = pool.submit(parse_block, first_line, n_lines, block, id_limit)
+            if pending is not None:
+                yield pending.result()
+            pending = nxt
+        if pending is not None:
+            yield pending.result()
 
 
 def _arrow_parse(block: bytes) -> pa.Table:
@@ -76,8 +90,9 @@ def _arrow_parse(block: bytes) -> pa.Table:
         return pajson.read_json(pa.BufferReader(block), read_options=opts, parse_options=_PARSE_OPTIONS)
 
 
-def parse_block(first_line: int, block: bytes, id_limit: int) -> ParsedBlock:
-    n_lines = _count_lines(block)
+def parse_block(first_line: int, n_lines: int, block: bytes, id_limit: int) -> ParsedBlock:
+    if not block.endswith(b"\n"):
+        block += b"\n"  # a last line without newline (the only such line is a file's last)
     try:
         table = _arrow_parse(block)
     except pa.ArrowInvalid:
@@ -98,7 +113,7 @@ def parse_lines(first_line: int, block: bytes, id_limit: int) -> ParsedBlock:
     cols: dict[str, list] = {k: [] for k in PARSED_SCHEMA.names}
     bad: list[BadLine] = []
     raw_lines = block.split(b"\n")
-    if block.endswith(b"\n"):
+    if raw_lines[-1] == b"":
         raw_lines.pop()
     for i, raw in enumerate(raw_lines):
         ln = first_line + i
@@ -127,7 +142,7 @@ def parse_lines(first_line: int, block: bytes, id_limit: int) -> ParsedBlock:
             bad.append(BadLine("id_out_of_vocab", ln, f"token id outside [0, {id_limit}): min {min(ids)}, max {max(ids)}"))
             continue
         mask = obj["loss_mask"]
-        if mask and not (-2**63 <= min(mask) and max(mask) < 2**63):
+        if mask and not (0 <= min(mask) and max(mask) <= 1):
             bad.append(BadLine("bad_loss_mask", ln, "loss_mask values must be 0 or 1"))
             continue
         for k in FIELDS:

@@ -21,7 +21,7 @@ import pyarrow.compute as pc
 from eagle3.io import MANIFEST_NAME, atomic_write_json, fingerprint, read_json, sha256_file
 from eagle3.merge.config import MergeConfig
 from eagle3.merge.inputs import DatasetInput, discover_datasets
-from eagle3.merge.parse import BadLine, iter_line_blocks, parse_block
+from eagle3.merge.parse import BadLine, iter_parsed_blocks
 from eagle3.merge.shuffle import BucketSpill, bucket_bits_for, iter_sorted_buckets
 from eagle3.merge.stats import BadInputError, MergeStats, extraction_estimate
 from eagle3.merge.validate import check_block
@@ -101,8 +101,7 @@ def _merge(cfg, datasets, fp, out_dir: Path, tmp: Path, parts_tmp: Path) -> dict
     done_bytes, kept_tokens, last_log = 0, 0, time.monotonic()
     for src, ds in enumerate(datasets):
         dstats = stats.dataset(ds.name)
-        for first_line, block in iter_line_blocks(ds.path, cfg.read_block_bytes):
-            parsed = parse_block(first_line, block, cfg.id_limit)
+        for parsed in iter_parsed_blocks(ds.path, cfg.read_block_bytes, cfg.id_limit):
             dstats.lines += parsed.lines
             for reason in sorted({b.reason for b in parsed.bad}):
                 bad = [b for b in parsed.bad if b.reason == reason]
@@ -148,6 +147,7 @@ def _merge(cfg, datasets, fp, out_dir: Path, tmp: Path, parts_tmp: Path) -> dict
     rows_total = sum(f["rows"] for f in files)
     tokens_total = sum(f["tokens"] for f in files)
     if rows_total == 0:
+        atomic_write_json(out_dir / FAILED_STATS_NAME, stats.to_dict(0, 0, None))
         raise BadInputError(f"merge: no sample left to write from {[str(d.path) for d in datasets]}; see the"
                             f" dropped/bad_input counts in {out_dir / FAILED_STATS_NAME}")
     t2 = time.monotonic()

@@ -1,8 +1,10 @@
 """Check parsed rows (vectorized over a whole block) and apply the length cap and the assistant-token floor.
 
 A row gets the FIRST failing reason in BAD_REASONS order; bad rows never reach the output. Valid rows that
-are too long are truncated (input_ids and loss_mask cut at the same position, so they stay aligned) or
+are too long are truncated (input_ids and loss_mask sliced at the same position, so they stay aligned) or
 dropped, per cap_policy; rows left with fewer than min_assistant_tokens loss tokens are dropped.
+Per-row work runs in Arrow/numpy over whole blocks; the per-token checks first test the block's min/max and
+only look row by row when that fails.
 """
 
 from __future__ import annotations
@@ -57,24 +59,21 @@ def _row_any(flat_flags: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     return (c[ends] - c[ends - lengths]) > 0
 
 
-def _row_sum(flat_values: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    c = np.concatenate([[0], np.cumsum(flat_values, dtype=np.int64)])
-    ends = np.cumsum(lengths)
-    return c[ends] - c[ends - lengths]
-
-
-def _flat_int(arr: pa.Array) -> tuple[np.ndarray, np.ndarray | None]:
+def _rows_outside(arr: pa.Array, lengths: np.ndarray, lo: int, hi: int) -> np.ndarray:
+    """Per row: has a value outside [lo, hi]? Only computed row by row when the block's min/max says so."""
     flat = arr.flatten()
-    nulls = flat.is_null().to_numpy(zero_copy_only=False) if flat.null_count else None
-    return flat.fill_null(0).to_numpy(zero_copy_only=False), nulls
+    mm = pc.min_max(flat)
+    if flat.null_count == len(flat) or (lo <= mm["min"].as_py() and mm["max"].as_py() <= hi):
+        return np.zeros(len(arr), bool)
+    v = flat.fill_null(lo).to_numpy(zero_copy_only=False)
+    return _row_any((v < lo) | (v > hi), lengths)
 
 
-def _kept_values(values: np.ndarray, lengths: np.ndarray, keep_row: np.ndarray, cap: int) -> np.ndarray:
-    """The values of kept rows, each row cut to its first `cap` values."""
-    n_vals = len(values)
-    starts = np.cumsum(lengths) - lengths
-    pos = np.arange(n_vals, dtype=np.int64) - np.repeat(starts, lengths)
-    return values[np.repeat(keep_row, lengths) & (pos < cap)]
+def _rows_with_null_values(arr: pa.Array, lengths: np.ndarray) -> np.ndarray:
+    flat = arr.flatten()
+    if not flat.null_count:
+        return np.zeros(len(arr), bool)
+    return _row_any(flat.is_null().to_numpy(zero_copy_only=False), lengths)
 
 
 def check_block(table: pa.Table, dataset: str, *, id_limit: int, max_seq_len: int, cap_policy: str,
@@ -84,8 +83,6 @@ def check_block(table: pa.Table, dataset: str, *, id_limit: int, max_seq_len: in
     ids, mask = _column(table, "input_ids"), _column(table, "loss_mask")
     line = _column(table, "line").to_numpy()
     ids_len, mask_len = _lengths(ids), _lengths(mask)
-    ids_flat, ids_nulls = _flat_int(ids)
-    mask_flat, mask_nulls = _flat_int(mask)
 
     def np_bool(a: pa.Array) -> np.ndarray:
         return a.fill_null(True).to_numpy(zero_copy_only=False).astype(bool)
@@ -95,12 +92,11 @@ def check_block(table: pa.Table, dataset: str, *, id_limit: int, max_seq_len: in
     checks = {
         "missing_field": missing,
         "dataset_mismatch": np_bool(pc.not_equal(ds, dataset)),
-        "bad_type": (_row_any(ids_nulls, ids_len) if ids_nulls is not None else np.zeros(n, bool))
-                    | (_row_any(mask_nulls, mask_len) if mask_nulls is not None else np.zeros(n, bool)),
+        "bad_type": _rows_with_null_values(ids, ids_len) | _rows_with_null_values(mask, mask_len),
         "length_mismatch": ids_len != mask_len,
         "empty_sample": ids_len == 0,
-        "id_out_of_vocab": _row_any((ids_flat < 0) | (ids_flat >= id_limit), ids_len),
-        "bad_loss_mask": _row_any((mask_flat != 0) & (mask_flat != 1), mask_len),
+        "id_out_of_vocab": _rows_outside(ids, ids_len, 0, id_limit - 1),
+        "bad_loss_mask": _rows_outside(mask, mask_len, 0, 1),
     }
     ok = np.ones(n, bool)
     bad_counts: dict[str, int] = {}
@@ -117,37 +113,38 @@ def check_block(table: pa.Table, dataset: str, *, id_limit: int, max_seq_len: in
                                                                        mask_len, ids, id_limit)))
 
     valid_lengths = ids_len[ok]
-    keep = ok.copy()
     drops: dict[str, Drop] = {}
     too_long = ok & (ids_len > max_seq_len)
     truncated = truncated_tokens = 0
-    cap = max_seq_len
+    keep = ok
     if cap_policy == "drop":
         _add_drop(drops, "too_long", too_long, ids_len, line, max_examples, f"longer than max_seq_len {max_seq_len}")
-        keep &= ~too_long
+        keep = ok & ~too_long
     else:
         truncated = int(too_long.sum())
         truncated_tokens = int((ids_len[too_long] - max_seq_len).sum())
-    new_len = np.minimum(ids_len, cap)
-    # loss tokens left after the cap, for valid rows (their mask is 0/1 and as long as input_ids)
-    assistant = np.zeros(n, np.int64)
-    assistant[ok] = _row_sum(_kept_values(mask_flat, mask_len, ok, cap), new_len[ok])
-    too_few = keep & (assistant < min_assistant_tokens)
-    _add_drop(drops, "too_few_assistant_tokens", too_few, new_len, line, max_examples,
-              f"fewer than min_assistant_tokens {min_assistant_tokens} loss tokens")
-    keep &= ~too_few
 
-    out_len = new_len[keep]
-    offsets = pa.array(np.concatenate([[0], np.cumsum(out_len)]).astype(np.int32))
-    out_ids = _kept_values(ids_flat, ids_len, keep, cap).astype(np.int32)
-    out_mask = _kept_values(mask_flat, mask_len, keep, cap).astype(np.int8)
-    idx = pa.array(np.flatnonzero(keep))
-    out = pa.table({
-        "sample_id": sid.take(idx), "dataset": ds.take(idx),
-        "input_ids": pa.ListArray.from_arrays(offsets, pa.array(out_ids, pa.int32())),
-        "loss_mask": pa.ListArray.from_arrays(offsets, pa.array(out_mask, pa.int8())),
-        "length": pa.array(out_len.astype(np.int32)), "line": pa.array(line[keep]),
-    }, schema=ROW_SCHEMA)
+    out_len = np.minimum(ids_len[keep], max_seq_len)
+    if keep.all():  # the common case: no copy
+        out_sid, out_ds, out_ids, out_mask = sid, ds, ids, mask
+    else:
+        idx = pa.array(np.flatnonzero(keep))
+        out_sid, out_ds, out_ids, out_mask = sid.take(idx), ds.take(idx), ids.take(idx), mask.take(idx)
+    if truncated:  # same slice on both lists: they stay aligned
+        out_ids = pc.list_slice(out_ids, 0, max_seq_len)
+        out_mask = pc.list_slice(out_mask, 0, max_seq_len)
+    out = pa.table({"sample_id": out_sid, "dataset": out_ds, "input_ids": out_ids, "loss_mask": out_mask,
+                    "length": pa.array(out_len.astype(np.int32)), "line": pa.array(line[keep])}, schema=ROW_SCHEMA)
+
+    if min_assistant_tokens > 0 and out.num_rows:
+        # loss tokens left after the cap; every kept row is non-empty, so reduceat's row starts are valid
+        flat = out_mask.flatten().to_numpy(zero_copy_only=False)
+        assistant = np.add.reduceat(flat, np.cumsum(out_len) - out_len, dtype=np.int64)
+        too_few = assistant < min_assistant_tokens
+        if too_few.any():
+            _add_drop(drops, "too_few_assistant_tokens", too_few, out_len, line[keep], max_examples,
+                      f"fewer than min_assistant_tokens {min_assistant_tokens} loss tokens")
+            out = out.filter(pa.array(~too_few))
     return CheckedBlock(out, bad_counts, bad_examples, drops, valid_lengths, truncated, truncated_tokens)
 
 

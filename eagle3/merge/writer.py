@@ -38,7 +38,8 @@ class PartWriter:
         rows = rows.select(PART_SCHEMA.names).cast(PART_SCHEMA)
         while rows.num_rows:
             cum = np.cumsum(rows.column("length").to_numpy())
-            need = min(self.row_group_tokens - self._pending_tokens, self.tokens_per_file - self._file_tokens)
+            # tokens until the row group or the file is full (pending rows count toward both)
+            need = min(self.row_group_tokens, self.tokens_per_file - self._file_tokens) - self._pending_tokens
             k = int(np.searchsorted(cum, need))  # first row at which the group (or file) is full
             if k >= rows.num_rows:
                 self._pending.append(rows)
