@@ -62,6 +62,7 @@ dt = time.perf_counter() - t
 st = json.load(open(sys.argv[2] + "/stats.json"))
 print(json.dumps({"seconds": dt, "tokens_in": st["tokens_in"], "tokens_out": s["tokens"], "rows": s["rows"],
                   "files": s["files"], "estimate": s["extraction_estimate"],
+                  "cpu_s": sum(resource.getrusage(resource.RUSAGE_SELF)[:2]),
                   "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
 """
 
@@ -82,7 +83,7 @@ table = pa.Table.from_pylist(rows)
 pq.write_table(table, sys.argv[2] + "/naive.parquet", compression="zstd", compression_level=1)
 dt = time.perf_counter() - t
 tokens = sum(len(r["input_ids"]) for r in rows)
-print(json.dumps({"seconds": dt, "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+print(json.dumps({"seconds": dt, "cpu_s": sum(resource.getrusage(resource.RUSAGE_SELF)[:2]), "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
 """
 
 
@@ -115,16 +116,20 @@ def main() -> None:
         r = child(CHILD_MERGE, data, base / f"out-{m}M")
         r["input_gb"] = gb
         r["tokens_per_s"] = r["tokens_in"] / r["seconds"]
+        r["tokens_per_cpu_s"] = r["tokens_in"] / r["cpu_s"]
+        r["loadavg_after"] = os.getloadavg()[0]
         results[f"merge_{m}M"] = r
         print(f"merge {m}M tokens ({gb:.2f} GB JSONL): {r['seconds']:.1f} s, {r['tokens_per_s'] / 1e6:.2f}M tokens/s,"
+              f" ({r['tokens_per_cpu_s'] / 1e6:.2f}M tokens per CPU-second, load avg {r['loadavg_after']:.1f}),"
               f" peak RSS {r['peak_rss_mb']:.0f} MB, {r['rows']} rows in {r['files']} files, estimate {r['estimate']}",
               flush=True)
         if m == min(int(s) for s in args.sizes.split(",")) and not args.no_baseline:
             b = child(CHILD_NAIVE, data, base / f"naive-{m}M")
             b["tokens_per_s"] = r["tokens_in"] / b["seconds"]
+            b["tokens_per_cpu_s"] = r["tokens_in"] / b["cpu_s"]
             results[f"naive_{m}M"] = b
             print(f"naive {m}M tokens: {b['seconds']:.1f} s, {b['tokens_per_s'] / 1e6:.2f}M tokens/s,"
-                  f" peak RSS {b['peak_rss_mb']:.0f} MB -> merge is {r['tokens_per_s'] / b['tokens_per_s']:.1f}x"
+                  f" ({b['tokens_per_cpu_s'] / 1e6:.2f}M per CPU-second), peak RSS {b['peak_rss_mb']:.0f} MB -> merge is {r['tokens_per_s'] / b['tokens_per_s']:.1f}x"
                   f" faster with {b['peak_rss_mb'] / r['peak_rss_mb']:.1f}x less memory", flush=True)
     sizes = sorted(int(s) for s in args.sizes.split(","))
     if len(sizes) > 1:

@@ -150,7 +150,9 @@ def human_hours(h: float) -> str:
         return f"{h:.0f} h"
     if h >= 1:
         return f"{h:.1f} h"
-    return f"{h * 60:.0f} min" if h * 60 >= 1 else f"{h * 3600:.0f} s"
+    if h * 60 >= 1:
+        return f"{h * 60:.0f} min"
+    return f"{h * 3600:.0f} s" if h * 3600 >= 10 else f"{h * 3600:.1f} s"
 
 
 def extraction_estimate(tokens: int, num_capture_layers: int, hidden_size: int | None, bytes_per_value: int,
