@@ -32,7 +32,7 @@ class MergeConfig:
     extraction_tokens_per_s: float | None = None
     # Tuning only: none of these change the output bytes.
     bucket_tokens: int = 4_000_000  # aim for this many tokens per on-disk shuffle bucket (memory of pass 2)
-    read_block_bytes: int = 32 << 20  # JSONL bytes parsed at a time (memory of pass 1)
+    read_block_bytes: int = 8 << 20  # JSONL bytes parsed at a time (memory of pass 1: about 2 blocks in flight)
     tmp_dir: str | None = None  # default: a hidden folder inside output_dir (same filesystem: atomic renames)
     verify_existing: bool = True  # re-run: check sha256 of existing parts before skipping
     max_examples: int = 5  # file:line examples kept per bad-input reason

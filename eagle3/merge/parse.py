@@ -24,7 +24,7 @@ JSON_SCHEMA = pa.schema([("sample_id", pa.string()), ("dataset", pa.string()),
                          ("input_ids", pa.list_(pa.int32())), ("loss_mask", pa.list_(pa.int8()))])
 PARSED_SCHEMA = JSON_SCHEMA.append(pa.field("line", pa.int64()))
 _PARSE_OPTIONS = pajson.ParseOptions(explicit_schema=JSON_SCHEMA, unexpected_field_behavior="ignore")
-_ARROW_BLOCK = 4 << 20  # pyarrow parses blocks of this size on its threads
+_ARROW_BLOCK = 2 << 20  # pyarrow parses blocks of this size on its threads
 
 
 @dataclass
