@@ -64,18 +64,28 @@ def iter_line_blocks(path: Path, block_bytes: int) -> Iterator[tuple[int, int, b
         yield first_line, 1, rest
 
 
-def iter_parsed_blocks(path: Path, block_bytes: int, id_limit: int) -> Iterator[ParsedBlock]:
-    """parse_block over a file, one block parsed ahead on a thread (pyarrow releases the GIL), so reading and
-    parsing the next block overlaps the caller's work on this one. At most two blocks are in memory."""
+def iter_parsed_blocks(paths: list[Path], block_bytes: int, id_limit: int) -> Iterator[tuple[int, ParsedBlock]]:
+    """(index into paths, ParsedBlock) for every block of every file, in order. The next block is parsed on a
+    thread (pyarrow releases the GIL) while the caller works on this one, across file boundaries too; at most
+    two blocks are in memory. A file with no bytes yields one empty block, so every file is seen."""
+    def blocks():
+        for i, path in enumerate(paths):
+            empty = True
+            for first_line, n_lines, block in iter_line_blocks(path, block_bytes):
+                empty = False
+                yield i, first_line, n_lines, block
+            if empty:
+                yield i, 1, 0, b""
+
     with ThreadPoolExecutor(1) as pool:
         pending = None
-        for first_line, n_lines, block in iter_line_blocks(path, block_bytes):
-            nxt = pool.submit(parse_block, first_line, n_lines, block, id_limit)
+        for i, first_line, n_lines, block in blocks():
+            nxt = (i, pool.submit(parse_block, first_line, n_lines, block, id_limit))
             if pending is not None:
-                yield pending.result()
+                yield pending[0], pending[1].result()
             pending = nxt
         if pending is not None:
-            yield pending.result()
+            yield pending[0], pending[1].result()
 
 
 def _arrow_parse(block: bytes) -> pa.Table:
@@ -91,6 +101,8 @@ def _arrow_parse(block: bytes) -> pa.Table:
 
 
 def parse_block(first_line: int, n_lines: int, block: bytes, id_limit: int) -> ParsedBlock:
+    if not block:
+        return ParsedBlock(pa.table({k: [] for k in PARSED_SCHEMA.names}, schema=PARSED_SCHEMA), [], 0, 0)
     if not block.endswith(b"\n"):
         block += b"\n"  # a last line without newline (the only such line is a file's last)
     try:
