@@ -66,7 +66,9 @@ def test_byte_identical_whatever_the_input_order(tmp_path):
     kw = dict(seed=7, tokens_per_file=1500, row_group_tokens=300)
     merge(dirs, tmp_path / "o1", **kw)
     # other order, and other tuning knobs (buckets, block size) that must not change a byte
-    merge(list(reversed(dirs))[1:] + dirs[-1:], tmp_path / "o2", bucket_tokens=50, read_block_bytes=1024, **kw)
+    merge(list(reversed(dirs))[1:] + dirs[-1:], tmp_path / "o2", bucket_tokens=50, read_block_bytes=1024,
+          tmp_dir=str(tmp_path / "scratch"), **kw)
+    assert not list((tmp_path / "scratch").iterdir())  # its temp folder is removed
     p1, p2 = part_bytes(tmp_path / "o1"), part_bytes(tmp_path / "o2")
     assert len(p1) > 2 and p1 == p2
     m1, m2 = (json.loads((tmp_path / o / "manifest.json").read_text()) for o in ("o1", "o2"))

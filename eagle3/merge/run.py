@@ -49,6 +49,8 @@ def completed_manifest(out_dir: Path, fp: str, verify: bool) -> dict | None:
         return None
     if not (isinstance(m, dict) and m.get("complete") is True and m.get("fingerprint") == fp):
         return None
+    if not (out_dir / STATS_NAME).is_file():
+        return None
     for f in m.get("files", []):
         p = out_dir / f["path"]
         if not p.is_file() or (verify and sha256_file(p) != f["sha256"]):
@@ -87,8 +89,9 @@ def run_merge(cfg: MergeConfig) -> dict:
     _keep_large_buffers_off_the_heap()
     out_dir.mkdir(parents=True, exist_ok=True)
     tmp_root = Path(cfg.tmp_dir) if cfg.tmp_dir else out_dir
-    for stale in tmp_root.glob(TMP_PREFIX + "*"):  # left by a killed run
-        shutil.rmtree(stale, ignore_errors=True)
+    for folder in {tmp_root, out_dir}:
+        for stale in folder.glob(TMP_PREFIX + "*"):  # left by a killed run
+            shutil.rmtree(stale, ignore_errors=True)
     tmp = tmp_root / f"{TMP_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:8]}"
     parts_tmp = out_dir / tmp.name if cfg.tmp_dir else tmp  # parts must end on out_dir's filesystem
     tmp.mkdir(parents=True)
@@ -148,6 +151,7 @@ def _merge(cfg, datasets, fp, out_dir: Path, tmp: Path, parts_tmp: Path) -> dict
     if cfg.num_files:
         tokens_per_file = max(1, -(-kept_tokens // cfg.num_files))
     writer = PartWriter(parts_tmp, tokens_per_file, cfg.row_group_tokens)
+    written = 0
     for rows, dups in prefetched(iter_sorted_buckets(spill)):
         if dups.num_rows:
             _count_duplicates(stats, datasets, rows, dups, cfg.max_examples)
@@ -156,6 +160,12 @@ def _merge(cfg, datasets, fp, out_dir: Path, tmp: Path, parts_tmp: Path) -> dict
         assistant = int(pc.sum(masks.flatten()).as_py() or 0) if len(masks) else 0
         stats.add_output(rows.column("dataset").to_numpy(zero_copy_only=False), lengths, assistant)
         writer.add(rows)
+        written += int(lengths.sum())
+        if time.monotonic() - last_log > LOG_EVERY_S:
+            last_log = time.monotonic()
+            el = last_log - t1
+            log.info("merge pass 2: %.1fM of %.1fM tokens written, %.2fM tokens/s, ETA %.0f s", written / 1e6,
+                     kept_tokens / 1e6, written / max(el, 1e-9) / 1e6, el * (kept_tokens - written) / max(1, written))
     files = writer.close()
     _check_or_fail(stats, cfg, out_dir)
     rows_total = sum(f["rows"] for f in files)
