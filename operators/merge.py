@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import json
 from typing import Any, Sequence
 
 from airflow.sdk import BaseOperator
@@ -39,14 +40,21 @@ class MergeOperator(BaseOperator):
     def execute(self, context) -> dict:
         from eagle3.merge import MergeConfig, run_merge
 
+        def as_list(v):
+            # a templated field renders to a string unless the DAG renders native objects: accept both
+            if isinstance(v, str):
+                v = v.strip()
+                return json.loads(v) if v.startswith("[") else [v] if v else []
+            return [str(x) for x in v] if v else []
+
         def opt_int(v):
             return None if v in (None, "", "None") else int(v)
 
         cfg = MergeConfig(
-            inputs=[self.inputs] if isinstance(self.inputs, str) else [str(p) for p in self.inputs],
+            inputs=as_list(self.inputs),
             output_dir=str(self.output_dir),
-            include=list(self.include) if self.include else None,
-            exclude=list(self.exclude or []),
+            include=as_list(self.include) or None,
+            exclude=as_list(self.exclude),
             max_seq_len=int(self.max_seq_len),
             cap_policy=str(self.cap_policy),
             min_assistant_tokens=int(self.min_assistant_tokens),
