@@ -177,10 +177,12 @@ async def generate_sample(client, prompt: Prompt, spec: DatasetSpec, cfg: Client
 
 async def generate_all(client, prompts: list[Prompt], spec: DatasetSpec, cfg: ClientConfig,
                        on_done: Callable[[dict], None], on_failed: Callable[[Prompt, SampleFailed], None],
-                       stats: RunStats | None = None, seed: int = 0) -> RunStats:
+                       stats: RunStats | None = None, seed: int = 0, dataset_size: int | None = None) -> RunStats:
+    """Generate `prompts`; the failure budget is a fraction of `dataset_size` (all prompts, resumed ones too)."""
     stats = stats or RunStats()
     stats.total = len(prompts)
-    budget = int(cfg.max_failed_fraction * len(prompts))  # failures allowed; one more aborts
+    size = dataset_size or len(prompts)
+    budget = int(cfg.max_failed_fraction * size)  # failed samples allowed; one more aborts
     it = iter(prompts)
     rng = random.Random(seed)
 
@@ -196,7 +198,7 @@ async def generate_all(client, prompts: list[Prompt], spec: DatasetSpec, cfg: Cl
                 on_failed(prompt, e)
                 if stats.failed > budget and not stats.aborted:
                     stats.aborted = (f"{stats.failed} failed samples exceed the failure budget "
-                                     f"({cfg.max_failed_fraction:.2%} of {len(prompts)} = {budget})")
+                                     f"({cfg.max_failed_fraction:.2%} of {size} prompts = {budget})")
                 continue
             on_done(rec)
             stats.done += 1

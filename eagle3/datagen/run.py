@@ -167,7 +167,7 @@ def run_dataset(spec: DatasetSpec, cfg: ClientConfig, endpoint: Endpoint | None,
     if todo:
         if endpoint is None:
             raise PipelineError(f"{spec.name}: {len(todo)} prompts left to generate but no endpoint was given")
-        stats = asyncio.run(_generate(todo, spec, cfg, endpoint, folder))
+        stats = asyncio.run(_generate(todo, spec, cfg, endpoint, folder, len(pset.prompts)))
     wall = stats.elapsed() if todo else 0.0
 
     if tokenizer is None:
@@ -227,7 +227,7 @@ def run_dataset(spec: DatasetSpec, cfg: ClientConfig, endpoint: Endpoint | None,
 
 
 async def _generate(todo: list[Prompt], spec: DatasetSpec, cfg: ClientConfig, endpoint: Endpoint,
-                    folder: Path) -> RunStats:
+                    folder: Path, dataset_size: int) -> RunStats:
     client = make_client(endpoint, cfg)
     with AppendWriter(folder / GENERATIONS) as gen, AppendWriter(folder / ERRORS) as err:
         def on_failed(p: Prompt, e: SampleFailed) -> None:
@@ -235,6 +235,6 @@ async def _generate(todo: list[Prompt], spec: DatasetSpec, cfg: ClientConfig, en
                        "message": e.message, "attempts": e.attempts, "time": time.time()})
 
         try:
-            return await generate_all(client, todo, spec, cfg, gen.write, on_failed)
+            return await generate_all(client, todo, spec, cfg, gen.write, on_failed, dataset_size=dataset_size)
         finally:
             await client.close()
