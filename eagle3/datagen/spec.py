@@ -85,6 +85,7 @@ class ClientConfig:
     """How the async client drives the endpoint (not part of the answers' identity)."""
 
     model: str = "default"
+    http_client: str = "aiohttp"  # "aiohttp" (fast path, ~0.5 ms CPU/request) or "openai" (AsyncOpenAI SDK)
     concurrency: int = 256
     request_timeout_s: float = 600.0
     max_retries: int = 6
@@ -103,6 +104,8 @@ class ClientConfig:
         for f in ("request_timeout_s", "backoff_base_s", "backoff_max_s", "log_every_s"):
             if not getattr(self, f) > 0:
                 raise ConfigError(f"client param {f}={getattr(self, f)!r} must be > 0")
+        if self.http_client not in ("aiohttp", "openai"):
+            raise ConfigError(f"client param http_client={self.http_client!r} must be 'aiohttp' or 'openai'")
         if not 0.0 <= self.max_failed_fraction <= 1.0:
             raise ConfigError(f"client param max_failed_fraction={self.max_failed_fraction!r} must be in [0, 1]")
         if self.price_prompt_per_m < 0 or self.price_completion_per_m < 0:

@@ -95,12 +95,15 @@ def test_two_demo_datasets_end_to_end(llama_server, smollm2_path, smollm2_tokeni
     assert full_multi_turn >= 1  # at least one two-turn chat went through tokenization and the mask check
 
 
-def test_retries_on_429_500_dropped_connection_and_stall(llama_server, smollm2_path, smollm2_tokenizer, tmp_path):
+@pytest.mark.parametrize("http_client", ["aiohttp", "openai"])
+def test_retries_on_429_500_dropped_connection_and_stall(llama_server, smollm2_path, smollm2_tokenizer, tmp_path,
+                                                         http_client):
     faults = ["429", "500", "drop", "stall"]
     f = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "Say hi."}, {"prompt": "Say bye."}, {"prompt": "Count to 3."}])
     spec = DatasetSpec(name="F", prompt_file=str(f), max_tokens=8)
     with FaultProxy(llama_server["port"], lambda i, body: faults[i] if i < len(faults) else "ok", stall_s=20) as px:
-        rep = run_dataset(spec, _client(concurrency=1, request_timeout_s=3, max_retries=5), Endpoint(px.base_url),
+        rep = run_dataset(spec, _client(concurrency=1, request_timeout_s=3, max_retries=5, http_client=http_client),
+                          Endpoint(px.base_url),
                           smollm2_path, tmp_path, tokenizer=smollm2_tokenizer)
         actions = list(px.actions)
     assert rep["this_run"]["retries_by_reason"] == {"429": 1, "500": 1, "connection": 1, "timeout": 1}
