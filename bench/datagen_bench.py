@@ -4,9 +4,10 @@
 
 The endpoint is a minimal asyncio HTTP server in a SEPARATE process (keep-alive, fixed chat
 completion answer after an optional delay), so what is measured is the client. Two clients run
-side by side in this process against the same endpoint:
-  baseline: bare httpx.AsyncClient POSTs with a semaphore (no SDK, no retries, no writes)
-  datagen:  eagle3.datagen's path: AsyncOpenAI + retries + accounting + one flushed JSONL line per sample
+side by side in this process against the same endpoint, both the full datagen path (retries,
+accounting, one flushed JSONL line per sample), differing only in the HTTP layer:
+  baseline: http_client="openai"  (AsyncOpenAI SDK over httpx2)
+  datagen:  http_client="aiohttp" (the default: plain dicts over aiohttp)
 The resume scan is timed on 100K done samples vs the naive json.loads-every-line baseline.
 """
 
@@ -104,30 +105,7 @@ def _cpu() -> float:
     return r.ru_utime + r.ru_stime
 
 
-async def baseline_client(url: str, n: int, conc: int) -> None:
-    import httpx
-
-    payload = {"model": "bench", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 64}
-    limits = httpx.Limits(max_connections=conc, max_keepalive_connections=conc)
-    async with httpx.AsyncClient(limits=limits, timeout=120) as c:
-        sem = asyncio.Semaphore(conc)
-
-        async def one():
-            async with sem:
-                r = await c.post(url + "/chat/completions", json=payload)
-                r.json()
-
-        # bounded task creation so the baseline does not pay for n pending tasks at once
-        it = iter(range(n))
-
-        async def worker():
-            for _ in it:
-                await one()
-
-        await asyncio.gather(*(worker() for _ in range(conc)))
-
-
-def datagen_client(url: str, n: int, conc: int, folder: Path) -> dict:
+def datagen_client(url: str, n: int, conc: int, folder: Path, http_client: str) -> dict:
     from eagle3.datagen.client import Endpoint
     from eagle3.datagen.prompts import Prompt
     from eagle3.datagen.run import _generate
@@ -135,7 +113,7 @@ def datagen_client(url: str, n: int, conc: int, folder: Path) -> dict:
 
     prompts = [Prompt(f"bench-{i:08x}", i + 1, None, [f"prompt {i}"]) for i in range(n)]
     spec = DatasetSpec(name="bench", prompt_file="-", max_tokens=64)
-    cfg = ClientConfig(model="bench", concurrency=conc, request_timeout_s=120, log_every_s=5)
+    cfg = ClientConfig(model="bench", concurrency=conc, request_timeout_s=300, log_every_s=5, http_client=http_client)
     folder.mkdir(parents=True, exist_ok=True)
     stats = asyncio.run(_generate(prompts, spec, cfg, Endpoint(url, "k"), folder, n))
     assert stats.done == n, (stats.done, stats.failed, dict(stats.failures))
@@ -198,6 +176,7 @@ def main() -> None:
     ap.add_argument("--serve", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--delay", type=float, default=0.0, help="endpoint latency per request (s)")
     ap.add_argument("--requests", type=int, default=20000)
+    ap.add_argument("--baseline-requests", type=int, default=2000, help="fewer: the SDK path is ~10x slower")
     ap.add_argument("--concurrency", type=int, default=2000)
     ap.add_argument("--scan-samples", type=int, default=100_000)
     ap.add_argument("--answer-chars", type=int, default=2000)
@@ -215,14 +194,15 @@ def main() -> None:
                            stdout=subprocess.PIPE, text=True)
     assert srv.stdout.readline().strip() == "ready"
     url = f"http://127.0.0.1:{port}/v1"
-    results = {"machine": f"{os.cpu_count()} cores", "requests": a.requests, "concurrency": a.concurrency,
+    results = {"machine": f"{os.cpu_count()} cores", "requests": a.requests,
+               "baseline_requests": a.baseline_requests, "concurrency": a.concurrency,
                "endpoint_delay_s": a.delay}
     try:
         with tempfile.TemporaryDirectory() as tmp:
-            results["baseline"] = measure("httpx-bare", lambda: asyncio.run(
-                baseline_client(url, a.requests, a.concurrency)), a.requests)
-            results["datagen"] = measure("eagle3.datagen", lambda: datagen_client(
-                url, a.requests, a.concurrency, Path(tmp) / "gen"), a.requests)
+            results["baseline"] = measure("datagen over the openai SDK (http_client=openai)", lambda: datagen_client(
+                url, a.baseline_requests, a.concurrency, Path(tmp) / "sdk", "openai"), a.baseline_requests)
+            results["datagen"] = measure("datagen over aiohttp (default)", lambda: datagen_client(
+                url, a.requests, a.concurrency, Path(tmp) / "aio", "aiohttp"), a.requests)
             results["datagen_vs_baseline_req_per_s"] = round(
                 results["datagen"]["req_per_s"] / results["baseline"]["req_per_s"], 2)
         with tempfile.TemporaryDirectory() as tmp:
