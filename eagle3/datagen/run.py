@@ -13,6 +13,7 @@ Folder `<out>/<dataset>/`:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import re
@@ -93,8 +94,8 @@ def tokenize_dataset(folder: Path, prompts: list[Prompt], spec: DatasetSpec, tok
     dropped_examples: dict[str, list[str]] = {r: [] for r in DROP_REASONS}
     rows = tokens = loss_tokens = 0
     p_tok = c_tok = 0
-    with atomic_path(folder / TOKENIZED) as tmp, open(tmp, "w") as out, open(gen_path, "rb") if offsets else open(
-            "/dev/null", "rb") as gen:
+    with atomic_path(folder / TOKENIZED) as tmp, open(tmp, "w") as out, contextlib.ExitStack() as stack:
+        gen = stack.enter_context(open(gen_path, "rb")) if offsets else None
         for p in prompts:
             if p.sample_id not in offsets:
                 continue

@@ -161,3 +161,27 @@ def test_endpoint_from_connection():
     assert endpoint_from_connection(c) == ("http://h:1/v1", "k")
     with pytest.raises(ValueError, match="no host"):
         endpoint_from_connection(Connection(conn_id="x", conn_type="http"))
+
+
+def test_drop_rules():
+    import re
+
+    from eagle3.datagen.run import drop_reason
+
+    spec = DatasetSpec(name="D", prompt_file="x")
+    pats = [re.compile(p, re.IGNORECASE) for p in spec.refusal_patterns]
+
+    def rec(*answers, finish=("stop",)):
+        msgs = []
+        for a in answers:
+            msgs += [{"role": "user", "content": "q"}, {"role": "assistant", "content": a}]
+        return {"messages": msgs, "finish_reasons": list(finish)}
+
+    assert drop_reason(rec("Paris."), spec, pats) is None
+    assert drop_reason(rec("ok", "  \n"), spec, pats) == "empty"
+    assert drop_reason(rec("I'm sorry, but I can't help with that."), spec, pats) == "refused"
+    assert drop_reason(rec("I cannot assist with this request."), spec, pats) == "refused"
+    assert drop_reason(rec("I'm sorry for the confusion, here it is: 4."), spec, pats) is None
+    assert drop_reason(rec("cut mid", finish=("length",)), spec, pats) == "truncated"
+    keep = DatasetSpec(name="D", prompt_file="x", drop_truncated=False)
+    assert drop_reason(rec("cut mid", finish=("length",)), keep, pats) is None

@@ -102,7 +102,8 @@ def test_retries_on_429_500_dropped_connection_and_stall(llama_server, smollm2_p
     f = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "Say hi."}, {"prompt": "Say bye."}, {"prompt": "Count to 3."}])
     spec = DatasetSpec(name="F", prompt_file=str(f), max_tokens=8)
     with FaultProxy(llama_server["port"], lambda i, body: faults[i] if i < len(faults) else "ok", stall_s=20) as px:
-        rep = run_dataset(spec, _client(concurrency=1, request_timeout_s=3, max_retries=5, http_client=http_client),
+        # the timeout must be far above a real answer's latency on a loaded 2-core machine (8 tokens: ~0.5 s)
+        rep = run_dataset(spec, _client(concurrency=1, request_timeout_s=6, max_retries=5, http_client=http_client),
                           Endpoint(px.base_url),
                           smollm2_path, tmp_path, tokenizer=smollm2_tokenizer)
         actions = list(px.actions)
@@ -115,8 +116,8 @@ def test_retries_on_429_500_dropped_connection_and_stall(llama_server, smollm2_p
 def test_failure_budget(llama_server, smollm2_path, smollm2_tokenizer, tmp_path):
     """Samples that keep failing are recorded; over the budget the task fails, under it the run completes."""
     f = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "Say hi."}, {"prompt": "Say yes."},
-                                           {"prompt": "POISON"}, {"prompt": "BADREQ"}])
-    spec = DatasetSpec(name="B", prompt_file=str(f), max_tokens=6)
+                                           {"prompt": "POISON"}, {"prompt": "BADREQ"}, '{"prompt": "cut'])
+    spec = DatasetSpec(name="B", prompt_file=str(f), max_tokens=6, on_bad_line="skip")
 
     def policy(i, body):
         return "500" if b"POISON" in body else "400" if b"BADREQ" in body else "ok"
@@ -137,6 +138,7 @@ def test_failure_budget(llama_server, smollm2_path, smollm2_tokenizer, tmp_path)
                           Endpoint(px.base_url), smollm2_path, tmp_path, tokenizer=smollm2_tokenizer)
         assert Counter(px.actions[6:]) == {"500": 1, "400": 1}
     assert rep["resumed_done"] == 2 and rep["missing"] == 2 and rep["this_run"]["failed"] == 2
+    assert rep["prompts"] == 4 and rep["bad_lines"] == 1 and rep["bad_line_messages"][0].startswith(f"{f}:5: invalid JSON")
     assert json.loads((folder / "manifest.json").read_text())["complete"]
 
 
