@@ -33,8 +33,6 @@ def test_mapped_datagen_in_a_dag_run(llama_server, smollm2_path, tmp_path, monke
     from airflow.utils import db
     from airflow.utils.state import DagRunState, TaskInstanceState
 
-    from operators.datagen import DatagenOperator
-
     db.resetdb()
     key = "sk-dagtest-0a1b2c3d4e5f"
     monkeypatch.setenv("AIRFLOW_CONN_EAGLE3_DG_DAG",

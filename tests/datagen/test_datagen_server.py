@@ -6,7 +6,6 @@ Faults are injected by a proxy between client and server; the server behind it s
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
