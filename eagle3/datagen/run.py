@@ -24,7 +24,7 @@ from pathlib import Path
 from eagle3.datagen.client import Endpoint, RunStats, SampleFailed, cost_usd, generate_all, make_client
 from eagle3.datagen.prompts import Prompt, read_prompts
 from eagle3.datagen.spec import ClientConfig, DatasetSpec
-from eagle3.datagen.store import AppendWriter, scan_and_repair
+from eagle3.datagen.store import AppendWriter, repair_tail, scan_and_repair
 from eagle3.datagen.tokenize import MaskMismatch, tokenize_conversation
 from eagle3.errors import PipelineError
 from eagle3.io import MANIFEST_NAME, atomic_path, atomic_write_json, fingerprint, read_json, remove_stale_temps, sha256_file
@@ -159,6 +159,7 @@ def run_dataset(spec: DatasetSpec, cfg: ClientConfig, endpoint: Endpoint | None,
 
     _set_aside_old_generations(folder, gen_fp)
     scan = scan_and_repair(folder / GENERATIONS)
+    repair_tail(folder / ERRORS)  # append-only too: a kill can cut its last line
     todo = [p for p in pset.prompts if p.sample_id not in scan.done_ids]
     log.info("%s: %d prompts, %d already done (resume), %d to generate%s", spec.name, len(pset.prompts),
              len(pset.prompts) - len(todo), len(todo),

@@ -99,6 +99,26 @@ def scan_and_repair(path: str | Path) -> ScanResult:
     return res
 
 
+def repair_tail(path: str | Path) -> int:
+    """Cut a partial last line (no trailing newline) off an append-only file; returns the bytes removed."""
+    path = Path(path)
+    if not path.exists() or path.stat().st_size == 0:
+        return 0
+    with open(path, "rb+") as f:
+        size = f.seek(0, os.SEEK_END)
+        pos, tail = size, b""
+        while pos > 0 and b"\n" not in tail:
+            step = min(65536, pos)
+            pos -= step
+            f.seek(pos)
+            tail = f.read(step) + tail
+        keep = pos + tail.rfind(b"\n") + 1 if b"\n" in tail else 0
+        if keep < size:
+            f.truncate(keep)
+            os.fsync(f.fileno())
+        return size - keep
+
+
 def _rewrite_clean(path: Path) -> None:
     seen = set()
     with atomic_path(path) as tmp, open(path, "rb") as src, open(tmp, "wb") as dst:

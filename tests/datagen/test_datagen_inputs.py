@@ -12,7 +12,7 @@ from eagle3.datagen.client import backoff_delay
 from eagle3.datagen.prompts import read_prompts, sample_id
 from eagle3.datagen.server import build_command
 from eagle3.datagen.spec import ClientConfig, DatasetSpec
-from eagle3.datagen.store import AppendWriter, scan_and_repair
+from eagle3.datagen.store import AppendWriter, repair_tail, scan_and_repair
 from eagle3.errors import ConfigError
 
 
@@ -185,3 +185,13 @@ def test_drop_rules():
     assert drop_reason(rec("cut mid", finish=("length",)), spec, pats) == "truncated"
     keep = DatasetSpec(name="D", prompt_file="x", drop_truncated=False)
     assert drop_reason(rec("cut mid", finish=("length",)), keep, pats) is None
+
+
+def test_repair_tail_of_an_append_only_file(tmp_path):
+    p = tmp_path / "errors.jsonl"
+    p.write_bytes(b'{"a": 1}\n{"a": 2}\n{"a": 3, "cut')
+    assert repair_tail(p) == len(b'{"a": 3, "cut') and p.read_bytes() == b'{"a": 1}\n{"a": 2}\n'
+    assert repair_tail(p) == 0
+    p.write_bytes(b"x" * 200_000)  # no newline at all: nothing complete to keep
+    assert repair_tail(p) == 200_000 and p.read_bytes() == b""
+    assert repair_tail(tmp_path / "missing.jsonl") == 0
