@@ -1,0 +1,242 @@
+"""One dataset, end to end: prompts -> generations.jsonl (resumable) -> tokenized.jsonl -> report, manifest.
+
+Folder `<out>/<dataset>/`:
+  generations.jsonl    append-only raw answers (sample_id, messages, answer, usage, finish_reason...):
+                       the resumable part; tokenization can be redone from it without regenerating
+  generations.meta.json the params the generations were made with (other params -> the old file is set aside)
+  errors.jsonl         samples that failed after all retries (append-only, one line per failure)
+  tokenized.jsonl      {"sample_id", "dataset", "input_ids", "loss_mask"} in prompt-file order (merge input)
+  report.json          counts, drops by reason, tokens, wall, rates, cost
+  manifest.json        written last: {"complete": true, fingerprint, rows, sha256...}
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import re
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+from eagle3.datagen.client import Endpoint, RunStats, SampleFailed, cost_usd, generate_all, make_client
+from eagle3.datagen.prompts import Prompt, read_prompts
+from eagle3.datagen.spec import ClientConfig, DatasetSpec
+from eagle3.datagen.store import AppendWriter, repair_tail, scan_and_repair
+from eagle3.datagen.tokenize import MaskMismatch, tokenize_conversation
+from eagle3.errors import PipelineError
+from eagle3.io import MANIFEST_NAME, atomic_path, atomic_write_json, fingerprint, read_json, remove_stale_temps, sha256_file
+
+log = logging.getLogger(__name__)
+
+GENERATIONS = "generations.jsonl"
+GENERATIONS_META = "generations.meta.json"
+ERRORS = "errors.jsonl"
+TOKENIZED = "tokenized.jsonl"
+REPORT = "report.json"
+DROP_REASONS = ("empty", "refused", "truncated", "mask_mismatch")
+
+
+class FailureBudgetExceeded(PipelineError):
+    pass
+
+
+def generation_fingerprint(spec: DatasetSpec, cfg: ClientConfig) -> str:
+    """What makes two answers to one prompt interchangeable: the model and the sampling params."""
+    return fingerprint({"model": cfg.model, **spec.sampling_params()})
+
+
+def drop_reason(rec: dict, spec: DatasetSpec, refusal: list[re.Pattern]) -> str | None:
+    answers = [m["content"] for m in rec["messages"] if m["role"] == "assistant"]
+    if not answers or any(not a.strip() for a in answers):
+        return "empty"
+    if any(p.search(a) for a in answers for p in refusal):
+        return "refused"
+    if spec.drop_truncated and "length" in rec.get("finish_reasons", [rec.get("finish_reason")]):
+        return "truncated"
+    return None
+
+
+def _set_aside_old_generations(folder: Path, gen_fp: str) -> None:
+    meta_path, gen_path = folder / GENERATIONS_META, folder / GENERATIONS
+    if gen_path.exists():
+        old = read_json(meta_path).get("fingerprint") if meta_path.exists() else "unknown"
+        if old != gen_fp:
+            # answers made with other params must not mix with new ones; keep them (nothing written is lost)
+            aside = folder / f"generations.{old}.jsonl"
+            gen_path.rename(aside)
+            log.warning("%s was made with other params (fingerprint %s != %s): moved to %s", gen_path, old, gen_fp, aside)
+    atomic_write_json(meta_path, {"fingerprint": gen_fp})
+
+
+def _index_lines(path: Path, wanted: set[str]) -> dict[str, int]:
+    """Byte offset of each wanted id's first line, so samples can be read back in prompt order."""
+    offsets, pos = {}, 0
+    prefix = b'{"sample_id": "'
+    with open(path, "rb") as f:
+        for line in f:
+            end = line.find(b'"', len(prefix))
+            sid = line[len(prefix):end].decode()
+            if sid in wanted and sid not in offsets:
+                offsets[sid] = pos
+            pos += len(line)
+    return offsets
+
+
+def tokenize_dataset(folder: Path, prompts: list[Prompt], spec: DatasetSpec, tokenizer) -> dict:
+    """generations.jsonl -> tokenized.jsonl in prompt order, applying the drop rules. Returns counts."""
+    gen_path = folder / GENERATIONS
+    offsets = _index_lines(gen_path, {p.sample_id for p in prompts}) if gen_path.exists() else {}
+    refusal = [re.compile(p, re.IGNORECASE) for p in spec.refusal_patterns]
+    dropped = {r: 0 for r in DROP_REASONS}
+    dropped_examples: dict[str, list[str]] = {r: [] for r in DROP_REASONS}
+    rows = tokens = loss_tokens = 0
+    p_tok = c_tok = 0
+    with atomic_path(folder / TOKENIZED) as tmp, open(tmp, "w") as out, contextlib.ExitStack() as stack:
+        gen = stack.enter_context(open(gen_path, "rb")) if offsets else None
+        for p in prompts:
+            if p.sample_id not in offsets:
+                continue
+            gen.seek(offsets[p.sample_id])
+            rec = json.loads(gen.readline())
+            p_tok += rec["usage"]["prompt_tokens"]
+            c_tok += rec["usage"]["completion_tokens"]
+            reason = drop_reason(rec, spec, refusal)
+            if reason is None:
+                try:
+                    tok = tokenize_conversation(tokenizer, rec["messages"])
+                except MaskMismatch as e:
+                    log.warning("%s: %s", p.sample_id, e)
+                    reason = "mask_mismatch"
+            if reason is not None:
+                dropped[reason] += 1
+                if len(dropped_examples[reason]) < 5:
+                    dropped_examples[reason].append(p.sample_id)
+                continue
+            out.write(json.dumps({"sample_id": p.sample_id, "dataset": spec.name,
+                                  "input_ids": tok.input_ids, "loss_mask": tok.loss_mask}) + "\n")
+            rows += 1
+            tokens += len(tok.input_ids)
+            loss_tokens += sum(tok.loss_mask)
+    return {"generated": len(offsets), "rows": rows, "tokens": tokens, "loss_tokens": loss_tokens,
+            "dropped": dropped, "dropped_examples": {k: v for k, v in dropped_examples.items() if v},
+            "usage_prompt_tokens": p_tok, "usage_completion_tokens": c_tok}
+
+
+def run_fingerprint(spec: DatasetSpec, cfg: ClientConfig, tokenizer_path) -> str:
+    return fingerprint({"gen": generation_fingerprint(spec, cfg), "prompts_sha256": sha256_file(spec.prompt_file),
+                        "limit": spec.limit, "on_bad_line": spec.on_bad_line, "drop_truncated": spec.drop_truncated,
+                        "refusal_patterns": spec.refusal_patterns, "tokenizer": str(tokenizer_path)})
+
+
+def is_complete(spec: DatasetSpec, cfg: ClientConfig, tokenizer_path, out_dir) -> bool:
+    """True when the dataset's manifest vouches for a tokenized file made with these params and inputs."""
+    folder = Path(out_dir) / spec.name
+    man_path, tok_path = folder / MANIFEST_NAME, folder / TOKENIZED
+    if not (man_path.exists() and tok_path.exists() and Path(spec.prompt_file).is_file()):
+        return False
+    man = read_json(man_path)
+    return bool(man.get("complete") and man.get("fingerprint") == run_fingerprint(spec, cfg, tokenizer_path)
+                and sha256_file(tok_path) == man.get("sha256"))
+
+
+def run_dataset(spec: DatasetSpec, cfg: ClientConfig, endpoint: Endpoint | None, tokenizer_path: str,
+                out_dir: str | Path, tokenizer=None) -> dict:
+    """Generate (resuming), tokenize, report. Returns the report dict; raises on a blown failure budget."""
+    folder = Path(out_dir) / spec.name
+    folder.mkdir(parents=True, exist_ok=True)
+    remove_stale_temps(folder)
+    pset = read_prompts(spec.prompt_file, spec.name, spec.on_bad_line, spec.limit)
+    gen_fp = generation_fingerprint(spec, cfg)
+    run_fp = run_fingerprint(spec, cfg, tokenizer_path)
+    manifest_path = folder / MANIFEST_NAME
+    if is_complete(spec, cfg, tokenizer_path, out_dir):
+        log.info("%s: complete (manifest fingerprint %s matches): skipped", spec.name, run_fp)
+        return {**read_json(folder / REPORT), "skipped": True}
+    manifest_path.unlink(missing_ok=True)  # stale or other params: it must not vouch for what follows
+
+    _set_aside_old_generations(folder, gen_fp)
+    scan = scan_and_repair(folder / GENERATIONS)
+    repair_tail(folder / ERRORS)  # append-only too: a kill can cut its last line
+    todo = [p for p in pset.prompts if p.sample_id not in scan.done_ids]
+    log.info("%s: %d prompts, %d already done (resume), %d to generate%s", spec.name, len(pset.prompts),
+             len(pset.prompts) - len(todo), len(todo),
+             f"; repaired a truncated last line ({scan.truncated_bytes} bytes)" if scan.truncated_bytes else "")
+
+    stats = RunStats()
+    if todo:
+        if endpoint is None:
+            raise PipelineError(f"{spec.name}: {len(todo)} prompts left to generate but no endpoint was given")
+        stats = asyncio.run(_generate(todo, spec, cfg, endpoint, folder, len(pset.prompts)))
+    wall = stats.elapsed() if todo else 0.0
+
+    if tokenizer is None:
+        from eagle3.models import load_tokenizer
+
+        tokenizer = load_tokenizer(tokenizer_path)
+    t0 = time.monotonic()
+    tok = tokenize_dataset(folder, pset.prompts, spec, tokenizer)
+    report = {
+        "dataset": spec.name, "prompt_file": str(spec.prompt_file), "model": cfg.model,
+        "endpoint": endpoint.base_url if endpoint else None, "fingerprint": run_fp,
+        "prompts": len(pset.prompts), "bad_lines": pset.bad_lines, "bad_line_messages": pset.bad_line_messages,
+        "duplicate_prompt_lines": pset.duplicate_lines,
+        "resumed_done": len(pset.prompts) - len(todo), "resume_repaired_bytes": scan.truncated_bytes,
+        "resume_dropped_corrupt_lines": len(scan.corrupt_lines),
+        "this_run": {
+            "attempted": len(todo), "generated": stats.done, "failed": stats.failed,
+            "failures_by_reason": dict(stats.failures), "retries_by_reason": dict(stats.retries),
+            "requests": stats.requests, "prompt_tokens": stats.prompt_tokens,
+            "completion_tokens": stats.completion_tokens, "wall_s": round(wall, 3),
+            "requests_per_s": round(stats.requests / wall, 3) if wall else 0.0,
+            "tokens_per_s": round((stats.prompt_tokens + stats.completion_tokens) / wall, 1) if wall else 0.0,
+            "completion_tokens_per_s": round(stats.completion_tokens / wall, 1) if wall else 0.0,
+            "cost_usd": round(cost_usd(stats.prompt_tokens, stats.completion_tokens, cfg), 6),
+            "aborted": stats.aborted,
+        },
+        "generated": tok["generated"], "missing": len(pset.prompts) - tok["generated"],
+        "dropped": tok["dropped"], "dropped_examples": tok["dropped_examples"],
+        "rows": tok["rows"], "tokens": tok["tokens"], "loss_tokens": tok["loss_tokens"],
+        "usage": {"prompt_tokens": tok["usage_prompt_tokens"], "completion_tokens": tok["usage_completion_tokens"]},
+        "cost_usd": round(cost_usd(tok["usage_prompt_tokens"], tok["usage_completion_tokens"], cfg), 6),
+        "prices_per_million": {"prompt": cfg.price_prompt_per_m, "completion": cfg.price_completion_per_m},
+        "tokenize_s": round(time.monotonic() - t0, 3),
+        "client": {k: v for k, v in asdict(cfg).items() if not k.startswith("price")},
+        "sampling": spec.sampling_params(),
+    }
+    budget_blown = stats.aborted is not None
+    report["status"] = "failed" if budget_blown else "complete"
+    atomic_write_json(folder / REPORT, report)
+    if budget_blown:
+        top = ", ".join(f"{k}: {v}" for k, v in stats.failures.most_common())
+        raise FailureBudgetExceeded(
+            f"{spec.name}: {stats.aborted}; failures by reason: {top}; see {folder / ERRORS} "
+            f"({stats.done} samples were generated and kept: a re-run resumes)")
+    if report["missing"]:
+        log.warning("%s: %d prompts failed within the budget (max_failed_fraction=%s): listed in %s",
+                    spec.name, report["missing"], cfg.max_failed_fraction, folder / ERRORS)
+    atomic_write_json(manifest_path, {
+        "complete": True, "dataset": spec.name, "fingerprint": run_fp, "file": TOKENIZED,
+        "sha256": sha256_file(folder / TOKENIZED), "rows": tok["rows"], "tokens": tok["tokens"],
+        "loss_tokens": tok["loss_tokens"], "prompts": len(pset.prompts), "missing": report["missing"],
+        "dropped": tok["dropped"]})
+    log.info("%s: %d rows, %d tokens (%d under the loss mask), dropped %s, missing %d, cost $%.4f -> %s",
+             spec.name, tok["rows"], tok["tokens"], tok["loss_tokens"], tok["dropped"], report["missing"],
+             report["cost_usd"], folder)
+    return report
+
+
+async def _generate(todo: list[Prompt], spec: DatasetSpec, cfg: ClientConfig, endpoint: Endpoint,
+                    folder: Path, dataset_size: int) -> RunStats:
+    client = make_client(endpoint, cfg)
+    with AppendWriter(folder / GENERATIONS) as gen, AppendWriter(folder / ERRORS) as err:
+        def on_failed(p: Prompt, e: SampleFailed) -> None:
+            err.write({"sample_id": p.sample_id, "dataset": spec.name, "line": p.line_no, "reason": e.reason,
+                       "message": e.message, "attempts": e.attempts, "time": time.time()})
+
+        try:
+            return await generate_all(client, todo, spec, cfg, gen.write, on_failed, dataset_size=dataset_size)
+        finally:
+            await client.close()
