@@ -64,7 +64,7 @@ class ExtractShardOperator(BaseOperator):
             capture_layers=[int(x) for x in self.capture_layers] if self.capture_layers else None,
             dtype=str(self.dtype),
             token_budget=int(self.token_budget),
-            chunk_mb=int(self.chunk_mb),
+            chunk_mb=float(self.chunk_mb),
             device=str(self.device),
         )
         out = extract_shard(cfg, dict(self.shard))

@@ -63,7 +63,7 @@ class ExtractConfig:
     dtype: str = "auto"  # compute dtype; auto = bfloat16 on GPU, float32 on CPU
     storage_dtype: str = "auto"  # stored states: auto = the compute dtype; float8_e4m3fn = fp8 + per-token scales
     token_budget: int = 16384  # padded tokens per forward pass (batch rows x longest sample)
-    chunk_mb: int = 1024  # target chunk file size; fixes chunk_tokens = chunk_mb / bytes per token
+    chunk_mb: float = 1024  # target chunk file size (MiB); fixes chunk_tokens = chunk_mb / bytes per token
     writer_threads: int = 2  # chunks written concurrently (one fsyncs while the next is written)
     verify_existing: bool = False  # re-hash committed chunks on resume / finished re-run
     log_every_s: float = 30.0
@@ -79,10 +79,12 @@ class ExtractConfig:
             c.storage_dtype = c.dtype
         if c.storage_dtype not in STORAGE_DTYPES:
             raise ConfigError(f"storage_dtype={c.storage_dtype!r}: use one of {list(STORAGE_DTYPES)}")
-        for name in ("token_budget", "chunk_mb", "writer_threads"):
+        for name in ("token_budget", "writer_threads"):
             v = getattr(c, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ConfigError(f"{name} must be a positive int, got {v!r}")
+        if isinstance(c.chunk_mb, bool) or not isinstance(c.chunk_mb, (int, float)) or not c.chunk_mb > 0:
+            raise ConfigError(f"chunk_mb must be a positive number, got {c.chunk_mb!r}")
         return c
 
 
@@ -274,7 +276,7 @@ class ShardExtractor:
         st_bytes = self.storage.itemsize
         # states + int32 id + uint8 mask (+ fp32 scales for fp8)
         self.bytes_per_token = (n + 1) * self.hidden * st_bytes + 5 + (4 * (n + 1) if self.storage == torch.float8_e4m3fn else 0)
-        self.chunk_tokens = max(1, self.cfg.chunk_mb * (1 << 20) // self.bytes_per_token)
+        self.chunk_tokens = max(1, int(self.cfg.chunk_mb * (1 << 20)) // self.bytes_per_token)
         self.params = {
             "model_path": str(self.cfg.model_path), "capture_layers": self.capture_layers,
             "dtype": self.cfg.dtype, "storage_dtype": self.cfg.storage_dtype,
