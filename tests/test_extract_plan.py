@@ -62,3 +62,32 @@ def test_plan_errors_name_the_problem(tmp_path):
     (tmp_path / "manifest.json").write_text(json.dumps(m))
     with pytest.raises(PipelineError, match="not complete"):
         plan_shards(tmp_path, 2)
+
+
+def test_plan_and_loader_read_the_real_merge_output(tmp_path):
+    """Contract 2 end to end: datagen-style JSONL -> the real merge phase -> shard plan -> shard data."""
+    from eagle3.extract.extractor import load_shard_data
+    from eagle3.merge.config import MergeConfig
+    from eagle3.merge.run import run_merge
+
+    rng = np.random.default_rng(5)
+    for ds in ("A1", "B2"):
+        d = tmp_path / "datagen" / ds
+        d.mkdir(parents=True)
+        with open(d / "tokenized.jsonl", "w") as f:
+            for i in range(40):
+                n = int(rng.integers(4, 50))
+                ids = rng.integers(3, 49000, n).tolist()
+                mask = [0] * (n // 2) + [1] * (n - n // 2)
+                f.write(json.dumps({"sample_id": f"{ds}-{i}", "dataset": ds, "input_ids": ids, "loss_mask": mask}) + "\n")
+    run_merge(MergeConfig(inputs=[str(tmp_path / "datagen")], output_dir=str(tmp_path / "merged"), num_files=3))
+    manifest = json.loads((tmp_path / "merged" / "manifest.json").read_text())
+    specs = plan_shards(tmp_path / "merged", 3)
+    assert sum(s.tokens for s in specs) == manifest["tokens"] and sum(s.rows for s in specs) == manifest["rows"]
+    rows = []
+    for s in specs:
+        data = load_shard_data(s)
+        assert len(data.input_ids) == s.tokens == int(data.lengths.sum())
+        assert data.loss_mask.max() == 1 and len(data.rows) == s.rows
+        rows.extend(data.rows.tolist())
+    assert rows == list(range(manifest["rows"]))
