@@ -1,8 +1,16 @@
 from __future__ import annotations
 
+import ast
 from typing import Any, Sequence
 
 from airflow.sdk import BaseOperator
+
+
+def _rendered(value: Any) -> Any:
+    """A templated list/dict arrives as its string form ("[2, 15, 27]", "{'shard': 0, ...}"): parse it back."""
+    if isinstance(value, str) and value.strip()[:1] in ("[", "{"):
+        return ast.literal_eval(value.strip())
+    return value
 
 
 class PlanShardsOperator(BaseOperator):
@@ -35,12 +43,12 @@ class ExtractShardOperator(BaseOperator):
     """
 
     template_fields: Sequence[str] = ("shard", "model_path", "extract_dir", "capture_layers", "dtype",
-                                      "token_budget", "chunk_mb", "device")
+                                      "token_budget", "chunk_mb", "device", "writer_threads", "storage_dtype")
     ui_color = "#f9d9d9"
 
     def __init__(self, *, shard: Any, model_path: str, extract_dir: str, capture_layers: Any = None,
                  dtype: str = "auto", token_budget: Any = 16384, chunk_mb: Any = 1024, device: str = "auto",
-                 **kwargs):
+                 writer_threads: Any = 6, storage_dtype: str = "auto", **kwargs):
         super().__init__(**kwargs)
         self.shard = shard
         self.model_path = model_path
@@ -50,6 +58,8 @@ class ExtractShardOperator(BaseOperator):
         self.token_budget = token_budget
         self.chunk_mb = chunk_mb
         self.device = device
+        self.writer_threads = writer_threads
+        self.storage_dtype = storage_dtype
 
     def execute(self, context) -> dict:
         import logging
@@ -61,13 +71,15 @@ class ExtractShardOperator(BaseOperator):
         cfg = ExtractConfig(
             model_path=str(self.model_path),
             extract_dir=str(self.extract_dir),
-            capture_layers=[int(x) for x in self.capture_layers] if self.capture_layers else None,
+            capture_layers=[int(x) for x in _rendered(self.capture_layers)] if self.capture_layers else None,
             dtype=str(self.dtype),
             token_budget=int(self.token_budget),
             chunk_mb=float(self.chunk_mb),
             device=str(self.device),
+            writer_threads=int(self.writer_threads),
+            storage_dtype=str(self.storage_dtype),
         )
-        out = extract_shard(cfg, dict(self.shard))
+        out = extract_shard(cfg, dict(_rendered(self.shard)))
         self.log.info("shard %d: %d chunks, %d tokens, %.2f GB, %.0f tok/s%s", out["shard"], out["chunks"],
                       out["tokens"], out["bytes"] / 1e9, out["tok_per_s"], " (already complete)" if out["skipped"] else "")
         return {k: out[k] for k in ("shard", "shard_dir", "chunks", "tokens", "samples", "bytes", "tok_per_s",

@@ -170,8 +170,9 @@ def test_finished_shard_rerun_is_a_noop_through_the_operators(batched, dataset, 
     assert specs == [spec.to_dict()]
     shard_dir, first = batched
     before = {p.name: p.stat().st_mtime_ns for p in shard_dir.iterdir()}
-    op = ExtractShardOperator(task_id="extract", shard=specs[0], model_path=str(smollm2_path),
-                              extract_dir=str(shard_dir.parent), capture_layers=LAYERS, dtype="float32",
+    # templated values arrive as strings: the operator parses them back
+    op = ExtractShardOperator(task_id="extract", shard=str(specs[0]), model_path=str(smollm2_path),
+                              extract_dir=str(shard_dir.parent), capture_layers=str(LAYERS), dtype="float32",
                               token_budget=BUDGET, chunk_mb=CHUNK_MB, device="cpu")
     t = time.perf_counter()
     out = op.execute({})

@@ -64,7 +64,9 @@ class ExtractConfig:
     storage_dtype: str = "auto"  # stored states: auto = the compute dtype; float8_e4m3fn = fp8 + per-token scales
     token_budget: int = 16384  # padded tokens per forward pass (batch rows x longest sample)
     chunk_mb: float = 1024  # target chunk file size (MiB); fixes chunk_tokens = chunk_mb / bytes per token
-    writer_threads: int = 2  # chunks written concurrently (one fsyncs while the next is written)
+    # chunks written at once (while one fsyncs, others are written); GPU runs pin writer_threads + 1
+    # chunk buffers of chunk_mb each. 6 was best of 3/6 on the H200's disk (docs/benchmarks.md).
+    writer_threads: int = 6
     verify_existing: bool = False  # re-hash committed chunks on resume / finished re-run
     log_every_s: float = 30.0
     memory_headroom: float = 0.9  # the budget's estimated memory must fit this fraction of what is free
