@@ -329,7 +329,8 @@ def main(argv=None) -> int:
         if args.out:
             Path(args.out).write_text(json.dumps(res, indent=2))
 
-    print("\nmodel   naive tok/s  extractor tok/s (steady)  roofline  disk limit  %limit (steady)  x naive")
+    print("\nmodel   naive tok/s  extractor tok/s (commit window*)  roofline  disk limit  %limit (*)  x naive\n"
+          "(* first to last chunk commit: an upper bound, it leaves out the pipeline fill)")
     for name, r in res["models"].items():
         if "error" in r:
             print(f"{name:5s}  ERROR {r['error']}")
