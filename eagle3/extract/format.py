@@ -1,7 +1,9 @@
 """The on-disk format of extracted hidden states: safetensors chunks plus one manifest per shard.
 
 A shard folder holds `chunk-000000.safetensors`, `chunk-000001.safetensors`, ... and `manifest.json`.
-Each chunk holds the samples of consecutive rows, their tokens concatenated:
+Each chunk holds whole samples, their tokens concatenated. The extractor (eagle3.extract.extractor)
+processes a shard's samples longest first, so a chunk holds samples of similar length in that
+order; `sample_rows` gives each sample's global row in the merged dataset (not necessarily ascending):
 
     input_ids      int32  [T]
     loss_mask      uint8  [T]
@@ -10,6 +12,12 @@ Each chunk holds the samples of consecutive rows, their tokens concatenated:
     sample_offsets int64  [n + 1]                   sample i is tokens offsets[i]:offsets[i+1]
     sample_rows    int64  [n]                       row index of each sample in the merged dataset
 
+Optional fp8 storage (dtype "float8_e4m3fn", half the bytes of bf16): aux_hidden/final_hidden are
+e4m3 values and two more tensors hold one fp32 scale per token and layer (value = q * scale):
+    aux_scale      float32 [T, n_capture]
+    final_scale    float32 [T]
+`load_chunk` dequantizes them to bfloat16 unless asked not to, so readers see the same tensors.
+
 A chunk is written to a temp name and renamed; the manifest (also renamed into place) is updated
 after, so a chunk file not in the manifest is garbage from a killed run and is overwritten.
 The manifest is the source of truth for what is committed.
@@ -17,13 +25,14 @@ The manifest is the source of truth for what is committed.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from eagle3.errors import PipelineError
-from eagle3.io import atomic_path, atomic_write_json, read_json, sha256_file, MANIFEST_NAME
+from eagle3.io import MANIFEST_NAME, atomic_path, atomic_write_json, read_json, sha256_file
 
 FORMAT_VERSION = 1
 TENSOR_NAMES = ("input_ids", "loss_mask", "aux_hidden", "final_hidden", "sample_offsets", "sample_rows")
@@ -90,31 +99,100 @@ class ShardManifest:
         return cls(**d)
 
 
+# safetensors dtype codes of the tensors a chunk may hold
+_ST_DTYPES = {
+    "float32": "F32", "bfloat16": "BF16", "float16": "F16", "float8_e4m3fn": "F8_E4M3",
+    "int64": "I64", "int32": "I32", "uint8": "U8",
+}
+_WRITE_PIECE = 64 << 20  # bytes per write()/update() call: large enough to release the GIL for long
+
+
+def _safetensors_header(tensors: dict, metadata: dict) -> tuple[bytes, list]:
+    """Header bytes and the (name, tensor) data order of a safetensors file.
+
+    Tensors are laid out by descending element size so every tensor starts aligned to its own
+    element size; the header is padded with spaces to 8 bytes, as safetensors itself does.
+    """
+    order = sorted(tensors.items(), key=lambda kv: (-kv[1].element_size(), kv[0]))
+    header, offset = {}, 0
+    for name, t in order:
+        dt = _ST_DTYPES.get(str(t.dtype).removeprefix("torch."))
+        if dt is None:
+            raise ValueError(f"tensor {name}: dtype {t.dtype} is not supported in chunks")
+        n = t.numel() * t.element_size()
+        header[name] = {"dtype": dt, "shape": list(t.shape), "data_offsets": [offset, offset + n]}
+        offset += n
+    if metadata:
+        header["__metadata__"] = metadata
+    raw = json.dumps(header, separators=(",", ":"), sort_keys=True).encode()
+    raw += b" " * (-len(raw) % 8)
+    return len(raw).to_bytes(8, "little") + raw, order
+
+
+def _byte_view(t) -> memoryview:
+    import torch
+
+    t = t.detach()
+    if t.device.type != "cpu":
+        raise ValueError("chunk tensors must be on the CPU")
+    t = t.contiguous()
+    if t.numel() == 0:
+        return memoryview(b"")
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+
+
 def write_chunk(shard_dir: str | Path, index: int, tensors: dict, metadata: dict | None = None,
                 fsync: bool = True) -> ChunkRecord:
-    """Write one chunk atomically and return its record (the caller appends it to the manifest and saves)."""
-    from safetensors.torch import save_file
+    """Write one chunk atomically and return its record (the caller appends it to the manifest and saves).
 
+    The file is a standard safetensors file, streamed straight from the tensors' memory (pinned
+    host buffers on a GPU run) and hashed while it is written, so the data is neither copied into
+    one big bytes object nor read back for its checksum. Deterministic: the same tensors and
+    metadata give the same bytes.
+    """
     missing = [n for n in TENSOR_NAMES if n not in tensors]
     if missing:
         raise ValueError(f"chunk {index}: missing tensors {missing}")
     path = Path(shard_dir) / chunk_name(index)
-    meta = {k: json.dumps(v) for k, v in (metadata or {}).items()}
+    meta = {k: json.dumps(v, sort_keys=True) for k, v in (metadata or {}).items()}
+    header, order = _safetensors_header(tensors, meta)
+    h = hashlib.sha256(header)
+    size = len(header)
     with atomic_path(path, fsync=fsync) as tmp:
-        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata=meta)
+        with open(tmp, "wb") as f:
+            f.write(header)
+            for _, t in order:
+                mv = _byte_view(t)
+                for a in range(0, len(mv), _WRITE_PIECE):
+                    piece = mv[a:a + _WRITE_PIECE]
+                    f.write(piece)
+                    h.update(piece)
+                size += len(mv)
     rows = tensors["sample_rows"]
     return ChunkRecord(
         file=path.name,
-        sha256=sha256_file(path),
+        sha256=h.hexdigest(),
         tokens=int(tensors["input_ids"].numel()),
         samples=int(rows.numel()),
         first_row=int(rows[0]) if rows.numel() else -1,
         last_row=int(rows[-1]) if rows.numel() else -1,
-        bytes=path.stat().st_size,
+        bytes=size,
     )
 
 
-def load_chunk(shard_dir: str | Path, record: ChunkRecord, verify: bool = False) -> dict:
+def dequantize_fp8(tensors: dict) -> dict:
+    """Replace fp8 aux/final states and their per-token scales by bfloat16 states."""
+    import torch
+
+    aux, scale = tensors.pop("aux_hidden"), tensors.pop("aux_scale")
+    T, n = scale.shape
+    tensors["aux_hidden"] = (aux.float().view(T, n, -1) * scale[:, :, None]).view(T, -1).to(torch.bfloat16)
+    final, fscale = tensors.pop("final_hidden"), tensors.pop("final_scale")
+    tensors["final_hidden"] = (final.float() * fscale[:, None]).to(torch.bfloat16)
+    return tensors
+
+
+def load_chunk(shard_dir: str | Path, record: ChunkRecord, verify: bool = False, dequantize: bool = True) -> dict:
     """Load a committed chunk; with verify=True its sha256 is checked against the manifest."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
@@ -132,4 +210,6 @@ def load_chunk(shard_dir: str | Path, record: ChunkRecord, verify: bool = False)
         raise CorruptChunkError(f"{path}: unreadable safetensors chunk: {e}") from e
     if int(tensors["input_ids"].numel()) != record.tokens:
         raise CorruptChunkError(f"{path}: holds {tensors['input_ids'].numel()} tokens, manifest says {record.tokens}")
+    if dequantize and "aux_scale" in tensors:
+        tensors = dequantize_fp8(tensors)
     return tensors

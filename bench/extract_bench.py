@@ -1,0 +1,349 @@
+"""Extraction benchmark: naive baseline vs the sharded extractor, against the machine's own limits.
+
+In ONE process on one device, side by side:
+  - a bf16 (CPU: the compute dtype) matmul rate probe -> the compute roofline in tokens/s
+    (model FLOPs per token: 2 x linear params, lm_head excluded, plus causal attention);
+  - a sustained disk write probe (files of chunk size, each fsynced, 1 and 2 writers at once;
+    fsync defeats the page cache) -> the disk limit in tokens/s at the stored bytes per token;
+  - the naive method (batch 1, full model with output_hidden_states=True and logits,
+    synchronous .cpu(), one safetensors file per sample, not fsynced: generous to the baseline);
+  - this extractor (eagle3.extract.extractor) on the same length distribution.
+Reports tokens/s, the fraction of min(roofline, disk limit) and the ratio to naive.
+
+Models: `real` = SmolLM2-135M-Instruct from its HF folder; `135m`, `1b`, `8b` = random-weight
+Llama shapes (SmolLM2-135M, Llama-3.2-1B, Llama-3.1-8B) built from a config on the device, since
+the real weights cannot travel to the GPU machine. Random weights cost the same FLOPs and bytes.
+
+    python bench/extract_bench.py --models 135m,1b,8b --tokens 3e6,1e6,6e5 --out results.json
+    python bench/extract_bench.py --models real --device cpu --dtype bfloat16 --tokens 2e4 --min-len 64 --max-len 512
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import platform
+import shutil
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from eagle3.extract.backend import HFBackend  # noqa: E402
+from eagle3.extract.extractor import ExtractConfig, extract_shard  # noqa: E402
+from eagle3.extract.plan import plan_shards  # noqa: E402
+from eagle3.extract.synthetic import write_merged_dataset  # noqa: E402
+
+SHAPES = {
+    "135m": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                 num_key_value_heads=3, vocab_size=49152, max_position_embeddings=8192, rope_theta=100000.0,
+                 tie_word_embeddings=True),
+    "1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+               num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0,
+               tie_word_embeddings=True),
+    "8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+               num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0,
+               tie_word_embeddings=False),
+}
+DEFAULT_BUDGET = {"real": 65536, "135m": 65536, "1b": 65536, "8b": 32768}
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# -- probes -------------------------------------------------------------------------------
+
+def matmul_probe(device, dtype, n: int, reps: int) -> float:
+    """Median FLOP/s of an n x n x n matmul on random data."""
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    for _ in range(3):
+        a @ b
+    sync(device)
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        a @ b
+        sync(device)
+        times.append(time.perf_counter() - t)
+    return 2 * n ** 3 / statistics.median(times)
+
+
+def disk_probe(folder: Path, total_bytes: int, file_bytes: int, writers: int) -> float:
+    """Sustained bytes/s writing files of `file_bytes`, each fsynced, with `writers` threads at once."""
+    folder.mkdir(parents=True, exist_ok=True)
+    block = np.random.default_rng(0).integers(0, 255, 64 << 20, dtype=np.uint8).tobytes()
+    n_files = max(writers, total_bytes // file_bytes)
+    counter = iter(range(n_files))
+    lock = threading.Lock()
+
+    def work():
+        while True:
+            with lock:
+                i = next(counter, None)
+            if i is None:
+                return
+            p = folder / f"probe-{i}.bin"
+            with open(p, "wb") as f:
+                left = file_bytes
+                while left > 0:
+                    f.write(block[:min(left, len(block))])
+                    left -= len(block)
+                f.flush()
+                os.fsync(f.fileno())
+
+    t = time.perf_counter()
+    threads = [threading.Thread(target=work) for _ in range(writers)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    dt = time.perf_counter() - t
+    shutil.rmtree(folder, ignore_errors=True)
+    return n_files * file_bytes / dt
+
+
+# -- models and data ------------------------------------------------------------------------
+
+def build_model(name: str, device, dtype, real_path: str | None):
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    if name == "real":
+        model = AutoModelForCausalLM.from_pretrained(real_path, dtype=dtype).to(device).eval()
+        return model, str(real_path)
+    cfg = LlamaConfig(**SHAPES[name], rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = LlamaForCausalLM._from_config(cfg, dtype=dtype)
+    return model.eval(), f"random-{name}"
+
+
+def model_flops_per_sample(cfg, lengths: np.ndarray) -> float:
+    """Forward FLOPs without lm_head: 2 x linear params per token + causal attention (QK^T and AV)."""
+    H, I, Lyr = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers
+    hd = getattr(cfg, "head_dim", None) or H // cfg.num_attention_heads
+    q, kv = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
+    linear = Lyr * (H * q + 2 * H * kv + q * H + 3 * H * I)
+    lengths = lengths.astype(np.float64)
+    attn = 4.0 * Lyr * q * lengths * (lengths + 1) / 2
+    return float((2.0 * linear * lengths + attn).sum())
+
+
+def make_samples(n_tokens: int, lo: int, hi: int, vocab: int, seed: int) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    out, total = [], 0
+    while total < n_tokens:
+        n = int(rng.integers(lo, hi + 1))
+        out.append(rng.integers(3, vocab, n).tolist())
+        total += n
+    return out
+
+
+# -- the two methods ----------------------------------------------------------------------
+
+@torch.inference_mode()
+def run_naive(model, samples, layers, device, out_dir: Path, seconds: float) -> dict:
+    from safetensors.torch import save_file
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+    def one(i, s):
+        ids = torch.tensor([s], device=device)
+        hs = model(input_ids=ids, output_hidden_states=True, use_cache=False).hidden_states
+        aux = torch.cat([hs[j][0] for j in layers], dim=-1).cpu()
+        final = hs[-1][0].cpu()
+        save_file({"aux_hidden": aux, "final_hidden": final}, str(out_dir / f"sample-{i}.safetensors"))
+
+    one(-1, samples[0])  # warm-up
+    sync(device)
+    tokens, t0, i = 0, time.perf_counter(), 0
+    while i < len(samples) and time.perf_counter() - t0 < seconds:
+        one(i, samples[i])
+        tokens += len(samples[i])
+        i += 1
+    dt = time.perf_counter() - t0
+    shutil.rmtree(out_dir, ignore_errors=True)
+    return {"tokens": tokens, "samples": i, "seconds": round(dt, 3), "tok_per_s": tokens / dt}
+
+
+def run_extractor(model, model_path, samples, layers, device, dtype_name, work: Path, budget: int,
+                  writers: int, chunk_mb: int, storage: str = "auto") -> dict:
+    merge = work / "merge"
+    shutil.rmtree(work, ignore_errors=True)
+    write_merged_dataset(merge, samples, rows_per_file=512)
+    spec = plan_shards(merge, 1)[0]
+    c = model.config
+    mc = {"num_layers": c.num_hidden_layers, "hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size}
+    cfg = ExtractConfig(model_path=model_path, extract_dir=str(work / "out"), capture_layers=layers,
+                        device=str(device), dtype=dtype_name, token_budget=budget, chunk_mb=chunk_mb,
+                        writer_threads=writers, log_every_s=5.0, storage_dtype=storage)
+    backend = HFBackend(model=model)
+    t = time.perf_counter()
+    out = extract_shard(cfg, spec, backend=backend, model_config=mc)
+    wall = time.perf_counter() - t
+    shutil.rmtree(work, ignore_errors=True)
+    out["wall_s"] = round(wall, 3)
+    out["tok_per_s_wall"] = out["tokens"] / wall
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default="135m,1b,8b")
+    ap.add_argument("--tokens", default="3e6,1e6,6e5", help="tokens extracted per model (comma list)")
+    ap.add_argument("--min-len", type=int, default=256)
+    ap.add_argument("--max-len", type=int, default=8192)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--dtype", default=None, help="compute dtype (default bfloat16 on GPU, float32 on CPU)")
+    ap.add_argument("--budget", default=None, help="token_budget per model (comma list)")
+    ap.add_argument("--writers", default="3", help="writer threads; a comma list measures each, the best is reported")
+    ap.add_argument("--chunk-mb", type=int, default=1024)
+    ap.add_argument("--naive-seconds", type=float, default=8.0)
+    ap.add_argument("--disk-gb", type=float, default=6.0)
+    ap.add_argument("--matmul-n", type=int, default=None)
+    ap.add_argument("--work-dir", default="bench_work")
+    ap.add_argument("--real-path", default=None, help="HF folder of the real model (default: ensure_smollm2())")
+    ap.add_argument("--fp8", default="", help="models also measured with fp8 storage (comma list)")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+    device = torch.device(args.device)
+    dtype_name = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
+    dtype = getattr(torch, dtype_name)
+    work = Path(args.work_dir).resolve()
+    models = args.models.split(",")
+    tokens = [int(float(x)) for x in args.tokens.split(",")]
+    budgets = [int(x) for x in args.budget.split(",")] if args.budget else [DEFAULT_BUDGET[m] for m in models]
+    res = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "argv": sys.argv[1:],
+           "machine": platform.node(), "cpu_count": os.cpu_count(), "torch": torch.__version__,
+           "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
+           "dtype": dtype_name, "models": {}}
+
+    n = args.matmul_n or (8192 if device.type == "cuda" else 1024)
+    res["matmul_flops"] = matmul_probe(device, dtype, n, reps=20 if device.type == "cuda" else 5)
+    print(f"matmul {dtype_name} {n}^3: {res['matmul_flops'] / 1e12:.1f} TFLOP/s", flush=True)
+    file_bytes = args.chunk_mb << 20
+    # the disk limit is the best of 1, 2 and as many concurrent fsynced writers as the extractor uses:
+    # a cloud block device gives more with more streams in flight
+    probes = {}
+    for w in sorted({1, 2, max(int(x) for x in args.writers.split(","))}):
+        probes[f"{w}_writers"] = disk_probe(work / "disk", int(args.disk_gb * 1e9), file_bytes, writers=w)
+    res["disk_bytes_per_s"] = probes
+    d1, d2 = probes["1_writers"], max(probes.values())
+    import hashlib
+    blob = np.random.default_rng(1).integers(0, 255, 256 << 20, dtype=np.uint8).tobytes()
+    t = time.perf_counter()
+    hashlib.sha256(blob).hexdigest()
+    res["sha256_bytes_per_s"] = len(blob) / (time.perf_counter() - t)
+    print(f"sha256 (one thread): {res['sha256_bytes_per_s'] / 1e9:.2f} GB/s", flush=True)
+    disk = d2
+    print("disk write+fsync: " + ", ".join(f"{v / 1e9:.2f} GB/s ({k})" for k, v in probes.items()), flush=True)
+
+    for name, n_tok, budget in zip(models, tokens, budgets):
+        try:
+            real_path = args.real_path
+            if name == "real" and real_path is None:
+                from eagle3.models import ensure_smollm2
+
+                real_path = str(ensure_smollm2())
+            t = time.perf_counter()
+            model, model_path = build_model(name, device, dtype, real_path)
+            build_s = time.perf_counter() - t
+            c = model.config
+            L = c.num_hidden_layers
+            layers = [2, L // 2, L - 3]
+            samples = make_samples(n_tok, args.min_len, args.max_len, c.vocab_size, seed=1)
+            lengths = np.array([len(s) for s in samples])
+            flops = model_flops_per_sample(c, lengths)
+            roofline = lengths.sum() / (flops / res["matmul_flops"])
+            st_bytes = dtype.itemsize
+            bpt = (len(layers) + 1) * c.hidden_size * st_bytes + 5
+            disk_limit = disk / bpt
+            naive = run_naive(model, samples, layers, device, work / "naive", args.naive_seconds)
+            print(f"[{name}] naive: {naive['tok_per_s']:.0f} tok/s ({naive['samples']} samples)", flush=True)
+            # warm-up run (kernels, allocator, pinned buffers) on a few samples, then the measured run
+            warm = make_samples(min(n_tok, 4 * budget), args.min_len, args.max_len, c.vocab_size, seed=2)
+            run_extractor(model, model_path, warm, layers, device, dtype_name, work / "ext", budget,
+                          int(args.writers.split(",")[0]), args.chunk_mb)
+            variants = {}
+            for w in [int(x) for x in args.writers.split(",")]:
+                variants[w] = run_extractor(model, model_path, samples, layers, device, dtype_name, work / "ext",
+                                            budget, w, args.chunk_mb)
+                print(f"[{name}] writers={w}: {variants[w]['tok_per_s_wall']:.0f} tok/s wall, "
+                      f"{variants[w]['steady_tok_per_s']:.0f} steady", flush=True)
+            best = max(variants, key=lambda w: variants[w]["tok_per_s_wall"])
+            ext = dict(variants[best], writer_threads=best)
+            writers_best = best
+            limit = min(roofline, disk_limit)
+            if name in args.fp8.split(","):
+                fp8 = run_extractor(model, model_path, samples, layers, device, dtype_name, work / "ext", budget,
+                                    writers_best, args.chunk_mb, storage="float8_e4m3fn")
+                bpt8 = (len(layers) + 1) * (c.hidden_size + 4) + 5
+                lim8 = min(roofline, disk / bpt8)
+                res["models"][name + "-fp8"] = {
+                    "storage": "float8_e4m3fn", "bytes_per_token": bpt8, "roofline_tok_per_s": roofline,
+                    "disk_limit_tok_per_s": disk / bpt8, "binding_limit": "compute" if roofline < disk / bpt8 else "disk",
+                    "naive": naive, "extractor": fp8, "fraction_of_limit": fp8["tok_per_s_wall"] / lim8,
+                    "ratio_to_naive": fp8["tok_per_s_wall"] / naive["tok_per_s"]}
+                print(f"[{name}-fp8] extractor: {fp8['tok_per_s_wall']:.0f} tok/s, {fp8['bytes'] / 1e9:.1f} GB, "
+                      f"{100 * fp8['tok_per_s_wall'] / lim8:.0f}% of limit, "
+                      f"{fp8['tok_per_s_wall'] / naive['tok_per_s']:.1f}x naive", flush=True)
+            r = {
+                "model_path": model_path, "build_s": round(build_s, 1), "params": sum(p.numel() for p in model.parameters()),
+                "capture_layers": layers, "token_budget": budget, "samples": len(samples), "tokens": int(lengths.sum()),
+                "lengths": [args.min_len, args.max_len], "bytes_per_token": bpt,
+                "roofline_tok_per_s": roofline, "disk_limit_tok_per_s": disk_limit,
+                "binding_limit": "compute" if roofline < disk_limit else "disk",
+                "naive": naive, "extractor": ext,
+                "writer_variants": {str(w): {k: v[k] for k in ("tok_per_s_wall", "steady_tok_per_s")} for w, v in variants.items()},
+                "steady_fraction_of_limit": ext["steady_tok_per_s"] / limit,
+                "fraction_of_limit": ext["tok_per_s_wall"] / limit,
+                "ratio_to_naive": ext["tok_per_s_wall"] / naive["tok_per_s"],
+            }
+            if device.type == "cuda":
+                r["peak_gpu_mem_gb"] = torch.cuda.max_memory_allocated(device) / 1e9
+                torch.cuda.reset_peak_memory_stats(device)
+            res["models"][name] = r
+            print(f"[{name}] extractor: {ext['tok_per_s_wall']:.0f} tok/s ({ext['tokens']} tokens, "
+                  f"{ext['bytes'] / 1e9:.1f} GB, {ext['chunks']} chunks, {ext['wall_s']:.1f}s); roofline "
+                  f"{roofline:.0f}, disk limit {disk_limit:.0f} -> {100 * r['fraction_of_limit']:.0f}% of "
+                  f"{r['binding_limit']} limit, {r['ratio_to_naive']:.1f}x naive", flush=True)
+            del model
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        except Exception as e:  # one model failing must not lose the others' figures
+            logging.exception("model %s failed", name)
+            res["models"][name] = {"error": f"{type(e).__name__}: {e}"}
+        if args.out:
+            Path(args.out).write_text(json.dumps(res, indent=2))
+
+    print("\nmodel   naive tok/s  extractor tok/s (commit window*)  roofline  disk limit  %limit (*)  x naive\n"
+          "(* first to last chunk commit: an upper bound, it leaves out the pipeline fill)")
+    for name, r in res["models"].items():
+        if "error" in r:
+            print(f"{name:5s}  ERROR {r['error']}")
+            continue
+        lim = min(r['roofline_tok_per_s'], r['disk_limit_tok_per_s'])
+        print(f"{name:6s}  {r['naive']['tok_per_s']:11.0f}  {r['extractor']['tok_per_s_wall']:15.0f} "
+              f"({r['extractor']['steady_tok_per_s']:7.0f})  {r['roofline_tok_per_s']:8.0f}  "
+              f"{r['disk_limit_tok_per_s']:10.0f}  {100 * r['fraction_of_limit']:5.0f}% "
+              f"({100 * r['extractor']['steady_tok_per_s'] / lim:3.0f}%)  {r['ratio_to_naive']:6.1f}")
+    if args.out:
+        Path(args.out).write_text(json.dumps(res, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,111 @@
+"""Extraction backends: run the target's forward pass and hand back the captured hidden states.
+
+A backend owns the model and one forward pass; the extractor (eagle3.extract.extractor) owns
+batching, copies, files and resume. Another engine (e.g. SGLang's model runner) plugs in by
+implementing `ExtractionBackend`.
+
+Layer numbering: capture index i is HF `hidden_states[i]`: 0 = the embeddings, i >= 1 = the
+output of decoder layer i-1. The final state is the last hidden state after the final norm
+(the lm_head input); the lm_head itself is never run.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from eagle3.errors import ConfigError
+from eagle3.models import ModelInfo, model_info, validate_capture_layers
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+GPU_DTYPES = ("bfloat16", "float16")
+CPU_DTYPES = ("float32", "bfloat16")
+
+
+def check_dtype(dtype: str, device: str) -> torch.dtype:
+    allowed = GPU_DTYPES if device.startswith("cuda") else CPU_DTYPES
+    if dtype not in allowed:
+        raise ConfigError(f"dtype={dtype!r} is not supported on {device}: use one of {list(allowed)}")
+    return DTYPES[dtype]
+
+
+class ExtractionBackend(Protocol):
+    hidden_size: int
+    num_layers: int
+    device: torch.device
+    dtype: torch.dtype
+
+    def load(self, model_path: str, dtype: str, device: str, capture_layers: list[int]) -> None:
+        """Load the model and prepare to capture `capture_layers` (HF hidden_states indices)."""
+
+    def capture(self, input_ids: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """Forward a right-padded [B, L] batch on the device; return ([B, L, H] per capture layer, final [B, L, H])."""
+
+
+class HFBackend:
+    """HF transformers causal LM: hooks on the capture layers only, the base model called without lm_head.
+
+    The batch carries no attention mask: with right padding and causal attention a real token never
+    attends to a later pad, so its states equal those of the unpadded sample, and SDPA can take its
+    fused causal path.
+    """
+
+    def __init__(self, model=None, info: ModelInfo | None = None):
+        self.model = model  # a preloaded *ForCausalLM (the benchmark builds random-weight ones)
+        self.info = info
+        self._captured: dict[int, torch.Tensor] = {}
+        self._hooks = []
+
+    # -- setup --------------------------------------------------------------------------
+    def load(self, model_path: str, dtype: str, device: str, capture_layers: list[int]) -> None:
+        torch_dtype = check_dtype(dtype, device)
+        if self.model is None:
+            from transformers import AutoModelForCausalLM
+
+            self.info = model_info(model_path)
+            validate_capture_layers(capture_layers, self.info)
+            self.model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=torch_dtype)
+            self.model = self.model.to(device)
+        else:
+            self.model = self.model.to(device=device, dtype=torch_dtype)
+        self.model.eval()
+        self.base = self.model.get_decoder() if hasattr(self.model, "get_decoder") else self.model.model
+        layers = self.base.layers
+        self.num_layers = len(layers)
+        self.hidden_size = int(self.model.config.get_text_config().hidden_size)
+        if self.info is not None:
+            validate_capture_layers(capture_layers, self.info)
+        else:
+            for i in capture_layers:
+                if not 0 <= i < self.num_layers:
+                    raise ConfigError(f"capture layer {i} does not exist: the model has {self.num_layers} decoder "
+                                      f"layers, so capture layers must be in 0..{self.num_layers - 1}")
+        self.capture_layers = list(capture_layers)
+        self.device = next(self.model.parameters()).device
+        self.dtype = torch_dtype
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        # hidden_states[i] is the output of layer i-1 (index 0: the embedding output)
+        for i in sorted(set(capture_layers)):
+            module = self.base.embed_tokens if i == 0 else layers[i - 1]
+            self._hooks.append(module.register_forward_hook(self._make_hook(i)))
+
+    def _make_hook(self, index: int):
+        def hook(module, args, output):
+            self._captured[index] = output[0] if isinstance(output, tuple) else output
+        return hook
+
+    # -- forward ------------------------------------------------------------------------
+    @torch.inference_mode()
+    def capture(self, input_ids: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
+        self._captured.clear()
+        out = self.base(input_ids=input_ids, use_cache=False)
+        aux = [self._captured.pop(i) for i in self.capture_layers]
+        return aux, out.last_hidden_state
+
+    def close(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []

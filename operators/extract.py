@@ -1,0 +1,86 @@
+from __future__ import annotations
+
+import ast
+from typing import Any, Sequence
+
+from airflow.sdk import BaseOperator
+
+
+def _rendered(value: Any) -> Any:
+    """A templated list/dict arrives as its string form ("[2, 15, 27]", "{'shard': 0, ...}"): parse it back."""
+    if isinstance(value, str) and value.strip()[:1] in ("[", "{"):
+        return ast.literal_eval(value.strip())
+    return value
+
+
+class PlanShardsOperator(BaseOperator):
+    """Splits the merged dataset into `num_shards` shards of about equal tokens; returns the shard specs.
+
+    The returned list is the XCom that `ExtractShardOperator.partial(...).expand(shard=...)` maps over.
+    """
+
+    template_fields: Sequence[str] = ("merge_dir", "num_shards")
+    ui_color = "#f4e3d9"
+
+    def __init__(self, *, merge_dir: str, num_shards: Any = 1, **kwargs):
+        super().__init__(**kwargs)
+        self.merge_dir = merge_dir
+        self.num_shards = num_shards
+
+    def execute(self, context) -> list[dict]:
+        from eagle3.extract.plan import plan_shards
+
+        specs = plan_shards(str(self.merge_dir), int(self.num_shards))
+        for s in specs:
+            self.log.info("shard %d: %d rows, %d tokens, %d row ranges", s.shard, s.rows, s.tokens, len(s.ranges))
+        return [s.to_dict() for s in specs]
+
+
+class ExtractShardOperator(BaseOperator):
+    """Extracts the hidden states of one shard (resumable; a finished shard is a no-op).
+
+    Use as `ExtractShardOperator.partial(task_id="extract", queue="gpu", pool="gpu", ...).expand(shard=plan.output)`.
+    """
+
+    template_fields: Sequence[str] = ("shard", "model_path", "extract_dir", "capture_layers", "dtype",
+                                      "token_budget", "chunk_mb", "device", "writer_threads", "storage_dtype")
+    ui_color = "#f9d9d9"
+
+    def __init__(self, *, shard: Any, model_path: str, extract_dir: str, capture_layers: Any = None,
+                 dtype: str = "auto", token_budget: Any = 16384, chunk_mb: Any = 1024, device: str = "auto",
+                 writer_threads: Any = 6, storage_dtype: str = "auto", **kwargs):
+        super().__init__(**kwargs)
+        self.shard = shard
+        self.model_path = model_path
+        self.extract_dir = extract_dir
+        self.capture_layers = capture_layers
+        self.dtype = dtype
+        self.token_budget = token_budget
+        self.chunk_mb = chunk_mb
+        self.device = device
+        self.writer_threads = writer_threads
+        self.storage_dtype = storage_dtype
+
+    def execute(self, context) -> dict:
+        import logging
+
+        from eagle3.extract.extractor import ExtractConfig, extract_shard
+
+        # the core logs progress (tok/s, GB, ETA) through its own logger: route it into the task log
+        logging.getLogger("eagle3").setLevel(logging.INFO)
+        cfg = ExtractConfig(
+            model_path=str(self.model_path),
+            extract_dir=str(self.extract_dir),
+            capture_layers=[int(x) for x in _rendered(self.capture_layers)] if self.capture_layers else None,
+            dtype=str(self.dtype),
+            token_budget=int(self.token_budget),
+            chunk_mb=float(self.chunk_mb),
+            device=str(self.device),
+            writer_threads=int(self.writer_threads),
+            storage_dtype=str(self.storage_dtype),
+        )
+        out = extract_shard(cfg, dict(_rendered(self.shard)))
+        self.log.info("shard %d: %d chunks, %d tokens, %.2f GB, %.0f tok/s%s", out["shard"], out["chunks"],
+                      out["tokens"], out["bytes"] / 1e9, out["tok_per_s"], " (already complete)" if out["skipped"] else "")
+        return {k: out[k] for k in ("shard", "shard_dir", "chunks", "tokens", "samples", "bytes", "tok_per_s",
+                                    "skipped", "resumed_from_chunk")}

@@ -1,0 +1,93 @@
+import json
+
+import numpy as np
+import pytest
+
+from eagle3.errors import ConfigError, PipelineError
+from eagle3.extract.plan import ShardSpec, plan_shards
+from eagle3.extract.synthetic import write_merged_dataset
+
+
+def test_plan_balances_tokens_and_covers_every_row_once(tmp_path):
+    rng = np.random.default_rng(3)
+    # skewed lengths: a few long samples among many short ones, over several files
+    lengths = np.where(rng.random(500) < 0.05, rng.integers(500, 2000, 500), rng.integers(5, 60, 500))
+    samples = [list(range(int(n))) for n in lengths]
+    m = write_merged_dataset(tmp_path, samples, rows_per_file=77)
+    specs = plan_shards(tmp_path, 7)
+    assert len(specs) == 7
+    json.dumps([s.to_dict() for s in specs])  # a valid XCom
+    assert sum(s.tokens for s in specs) == m["tokens"]
+    # each shard within one (longest) sample of T/N tokens
+    target = m["tokens"] / 7
+    assert max(abs(s.tokens - target) for s in specs) <= lengths.max()
+    # rows: contiguous, disjoint, complete, and file ranges agree with the global indices
+    covered = []
+    starts = np.concatenate([[0], np.cumsum([f["rows"] for f in m["files"]])])
+    names = [f["path"] for f in m["files"]]
+    for s in specs:
+        assert s.rows == sum(r.row_end - r.row_start for r in s.ranges)
+        for r in s.ranges:
+            assert r.global_row_start == starts[names.index(r.file)] + r.row_start
+            covered.extend(range(r.global_row_start, r.global_row_start + r.row_end - r.row_start))
+        assert s.tokens == int(sum(lengths[a:b].sum() for a, b in s.global_ranges))
+    assert covered == list(range(500))
+    assert ShardSpec.from_dict(specs[3].to_dict()) == specs[3]
+
+
+def test_plan_beats_row_balancing(tmp_path):
+    # the long samples sit at the start: equal row counts would give shard 0 most of the tokens
+    samples = [[1] * 1000] * 10 + [[1] * 10] * 990
+    write_merged_dataset(tmp_path, samples, rows_per_file=300)
+    specs = plan_shards(tmp_path, 4)
+    toks = [s.tokens for s in specs]
+    assert max(toks) - min(toks) <= 1000
+    assert specs[0].rows < 20 < specs[-1].rows
+
+
+def test_plan_errors_name_the_problem(tmp_path):
+    with pytest.raises(PipelineError, match="merge manifest is missing"):
+        plan_shards(tmp_path, 2)
+    write_merged_dataset(tmp_path, [[1, 2, 3]] * 3)
+    with pytest.raises(ConfigError, match="num_shards=4 is more than the 3 rows"):
+        plan_shards(tmp_path, 4)
+    with pytest.raises(ConfigError, match="num_shards must be a positive int"):
+        plan_shards(tmp_path, 0)
+    m = json.loads((tmp_path / "manifest.json").read_text())
+    m["files"][0]["tokens"] = 10
+    (tmp_path / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(PipelineError, match="part-00000.parquet: 9 tokens, merge manifest says 10"):
+        plan_shards(tmp_path, 2)
+    m["complete"] = False
+    (tmp_path / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(PipelineError, match="not complete"):
+        plan_shards(tmp_path, 2)
+
+
+def test_plan_and_loader_read_the_real_merge_output(tmp_path):
+    """Contract 2 end to end: datagen-style JSONL -> the real merge phase -> shard plan -> shard data."""
+    from eagle3.extract.extractor import load_shard_data
+    from eagle3.merge.config import MergeConfig
+    from eagle3.merge.run import run_merge
+
+    rng = np.random.default_rng(5)
+    for ds in ("A1", "B2"):
+        d = tmp_path / "datagen" / ds
+        d.mkdir(parents=True)
+        with open(d / "tokenized.jsonl", "w") as f:
+            for i in range(40):
+                n = int(rng.integers(4, 50))
+                ids = rng.integers(3, 49000, n).tolist()
+                mask = [0] * (n // 2) + [1] * (n - n // 2)
+                f.write(json.dumps({"sample_id": f"{ds}-{i}", "dataset": ds, "input_ids": ids, "loss_mask": mask}) + "\n")
+    run_merge(MergeConfig(inputs=[str(tmp_path / "datagen")], output_dir=str(tmp_path / "merged"), num_files=3))
+    manifest = json.loads((tmp_path / "merged" / "manifest.json").read_text())
+    specs = plan_shards(tmp_path / "merged", 3)
+    assert sum(s.tokens for s in specs) == manifest["tokens"] and sum(s.rows for s in specs) == manifest["rows"]
+    rows = []
+    for s in specs:
+        data = load_shard_data(s)
+        assert len(data.input_ids) == s.tokens == int(data.lengths.sum())
+        assert data.loss_mask.max() == 1 and len(data.rows) == s.rows
+        rows.extend(data.rows.tolist())
+    assert rows == list(range(manifest["rows"]))

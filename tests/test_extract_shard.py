@@ -1,0 +1,231 @@
+"""The shard extractor on the CPU with the real SmolLM2-135M-Instruct."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from eagle3.errors import ConfigError
+from eagle3.extract.extractor import FAULT_ENV, ExtractConfig, ExtractOOMError, InjectedFault, extract_shard
+from eagle3.extract.format import CorruptChunkError, ShardManifest
+from eagle3.extract.plan import plan_shards
+from eagle3.extract.reader import HiddenStateReader
+from eagle3.extract.reference import reference_states
+from eagle3.extract.synthetic import write_merged_dataset
+
+ROOT = Path(__file__).resolve().parents[1]
+LAYERS = [0, 2, 15, 27]  # embeddings, low, mid, high (HF hidden_states indices)
+# fp32 on CPU: 4 x 576 x 4 bytes = 9.2 KB a token, so chunk_mb=0.1 gives chunks of <= 11 tokens
+# (a chunk is never smaller than one batch); the budget of 24 padded tokens batches 2-6 samples
+CHUNK_MB = 0.1
+BUDGET = 24
+
+
+def chunk_bytes(shard_dir: Path) -> dict:
+    return {p.name: p.read_bytes() for p in sorted(shard_dir.glob("chunk-*.safetensors"))}
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory, smollm2_tokenizer):
+    """A small merged dataset of real text (two files), lengths 2..~12 tokens: kept tiny for the 2-core CI."""
+    tok = smollm2_tokenizer
+    texts = ["Hi", "What is 2+2?", "Name three colors of the rainbow.", "ok", "Why is the sky blue?",
+             "Translate 'good morning' to French.", "Count to five, then stop.", "The sea and the wind."]
+    samples = [[1] + tok(t)["input_ids"] + [2] for t in texts]  # <|im_start|> ... <|im_end|>
+    masks = [[0] * (len(ids) // 2) + [1] * (len(ids) - len(ids) // 2) for ids in samples]
+    d = tmp_path_factory.mktemp("merge")
+    write_merged_dataset(d, samples, rows_per_file=5, loss_masks=masks)
+    return d, samples, masks
+
+
+@pytest.fixture(scope="module")
+def reference(dataset, smollm2_model):
+    """The oracle: one plain forward per sample with output_hidden_states=True."""
+    return [reference_states(smollm2_model, ids, LAYERS) for ids in dataset[1]]
+
+
+@pytest.fixture(scope="module")
+def spec(dataset):
+    return plan_shards(dataset[0], 1)[0]
+
+
+def config(smollm2_path, out, **kw):
+    kw = {"capture_layers": LAYERS, "device": "cpu", "dtype": "float32", "token_budget": BUDGET,
+          "chunk_mb": CHUNK_MB, "writer_threads": 2, **kw}
+    return ExtractConfig(model_path=str(smollm2_path), extract_dir=str(out), **kw)
+
+
+@pytest.fixture(scope="module")
+def batched(tmp_path_factory, smollm2_path, spec):
+    out = tmp_path_factory.mktemp("batched")
+    summary = extract_shard(config(smollm2_path, out), spec)
+    return out / "shard-00000", summary
+
+
+def test_states_equal_output_hidden_states_batched_and_unbatched(batched, dataset, spec, smollm2_path,
+                                                                 reference, tmp_path):
+    _, samples, masks = dataset
+    shard_dir, summary = batched
+    assert summary["complete"] and summary["tokens"] == spec.tokens
+    # token_budget=1: every sample alone, no padding
+    single = extract_shard(config(smollm2_path, tmp_path, token_budget=1), spec)
+    assert single["tokens"] == spec.tokens
+    for d in (shard_dir, Path(single["shard_dir"])):
+        got = {s.row: s for s in HiddenStateReader([d], verify=True)}
+        assert sorted(got) == list(range(len(samples)))
+        for row, ids in enumerate(samples):
+            s = got[row]
+            assert s.input_ids.tolist() == ids and s.loss_mask.tolist() == masks[row]
+            aux, final = reference[row]
+            for k in range(len(LAYERS)):  # every capture layer separately
+                torch.testing.assert_close(s.aux_hidden[:, k * 576:(k + 1) * 576], aux[:, k * 576:(k + 1) * 576],
+                                           rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(s.final_hidden, final, rtol=1e-4, atol=1e-4)
+    # the batched run really batched (several samples, unequal lengths, in one forward: padding)
+    from eagle3.extract.extractor import load_shard_data, plan_batches
+
+    data = load_shard_data(spec)
+    batches = [b for c in plan_batches(data.lengths, data.rows, BUDGET, 11) for b in c]
+    assert any(len(b) > 1 and len(set(data.lengths[b])) > 1 for b in batches)
+    assert len(ShardManifest.load(shard_dir).chunks) >= 3
+
+
+def test_fault_hook_fails_once_then_resume_is_byte_identical(batched, spec, smollm2_path, tmp_path, monkeypatch):
+    once = tmp_path / "failed-once"
+    monkeypatch.setenv(FAULT_ENV, f"shard=0,after_chunks=1,once_file={once}")
+    with pytest.raises(InjectedFault, match="shard 0 after 1 committed chunks"):
+        extract_shard(config(smollm2_path, tmp_path / "out"), spec)
+    m = ShardManifest.load(tmp_path / "out" / "shard-00000")
+    assert len(m.chunks) == 1 and not m.complete and once.exists()
+    resumed = extract_shard(config(smollm2_path, tmp_path / "out"), spec)  # once_file exists: no fault
+    assert resumed["resumed_from_chunk"] == 1 and resumed["complete"]
+    assert chunk_bytes(tmp_path / "out" / "shard-00000") == chunk_bytes(batched[0])
+
+
+KILL_CHILD = textwrap.dedent("""
+    import os, sys, time
+    sys.path.insert(0, {root!r})
+    real_fsync = os.fsync
+
+    def fsync(fd):
+        # block forever inside the write of chunk 1 (after its bytes, before its rename) and tell the parent
+        name = os.readlink(f"/proc/self/fd/{{fd}}")
+        if ".chunk-000001.safetensors.tmp-" in name:
+            open({marker!r}, "w").write(name)
+            time.sleep(600)
+        return real_fsync(fd)
+
+    os.fsync = fsync
+    from eagle3.extract.extractor import ExtractConfig, extract_shard
+    import json
+    cfg = ExtractConfig(**json.loads({cfg!r}))
+    extract_shard(cfg, json.loads({spec!r}))
+""")
+
+
+@pytest.mark.slow
+def test_sigkill_during_chunk_write_then_rerun_gives_identical_files(batched, spec, smollm2_path, tmp_path):
+    out, marker = tmp_path / "out", tmp_path / "in-write"
+    cfg = config(smollm2_path, out)
+    code = KILL_CHILD.format(root=str(ROOT), marker=str(marker), cfg=json.dumps(cfg.__dict__),
+                             spec=json.dumps(spec.to_dict()))
+    child = subprocess.Popen([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": str(ROOT)})
+    try:
+        deadline = time.time() + 180
+        while not marker.exists():
+            assert child.poll() is None, "child ended before writing chunk 1"
+            assert time.time() < deadline, "child never reached the write of chunk 1"
+            time.sleep(0.05)
+        child.send_signal(signal.SIGKILL)
+        child.wait(timeout=30)
+    finally:
+        if child.poll() is None:
+            child.kill()
+    shard = out / "shard-00000"
+    assert Path(marker.read_text()).exists()  # the half-written temp file of chunk 1 is on disk
+    m = ShardManifest.load(shard)
+    assert [c.file for c in m.chunks] == ["chunk-000000.safetensors"] and not m.complete
+    # garbage under the next chunk's final name (as a kill between rename and commit leaves): overwritten
+    (shard / "chunk-000001.safetensors").write_bytes(b"garbage from a killed run")
+    summary = extract_shard(cfg, spec)
+    assert summary["resumed_from_chunk"] == 1 and summary["complete"]
+    assert not [p for p in shard.iterdir() if ".tmp-" in p.name]
+    assert chunk_bytes(shard) == chunk_bytes(batched[0])
+    assert [c.sha256 for c in ShardManifest.load(shard).chunks] == [c.sha256 for c in ShardManifest.load(batched[0]).chunks]
+
+
+def test_finished_shard_rerun_is_a_noop_through_the_operators(batched, dataset, spec, smollm2_path):
+    from operators.extract import ExtractShardOperator, PlanShardsOperator
+
+    specs = PlanShardsOperator(task_id="plan", merge_dir=str(dataset[0]), num_shards=1).execute({})
+    assert specs == [spec.to_dict()]
+    shard_dir, first = batched
+    before = {p.name: p.stat().st_mtime_ns for p in shard_dir.iterdir()}
+    # templated values arrive as strings: the operator parses them back
+    op = ExtractShardOperator(task_id="extract", shard=str(specs[0]), model_path=str(smollm2_path),
+                              extract_dir=str(shard_dir.parent), capture_layers=str(LAYERS), dtype="float32",
+                              token_budget=BUDGET, chunk_mb=CHUNK_MB, device="cpu")
+    t = time.perf_counter()
+    out = op.execute({})
+    assert time.perf_counter() - t < 5  # no model load, no forward
+    json.dumps(out)
+    assert out["skipped"] and out["chunks"] == first["chunks"] and out["tokens"] == first["tokens"]
+    assert {p.name: p.stat().st_mtime_ns for p in shard_dir.iterdir()} == before
+    # other params on an existing shard: refused, nothing overwritten
+    with pytest.raises(ConfigError, match="extracted with other params"):
+        extract_shard(config(smollm2_path, shard_dir.parent, token_budget=BUDGET * 2), spec)
+    assert {p.name: p.stat().st_mtime_ns for p in shard_dir.iterdir()} == before
+
+
+def test_corrupt_chunk_is_detected_and_reextracted(batched, spec, smollm2_path, tmp_path):
+    src = batched[0]
+    shard = tmp_path / "x" / "shard-00000"
+    shutil.copytree(src, shard)
+    last = ShardManifest.load(shard).chunks[-1].file
+    data = bytearray((shard / last).read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    (shard / last).write_bytes(bytes(data))
+    with pytest.raises(CorruptChunkError, match=f"{last}: checksum mismatch"):
+        list(HiddenStateReader([shard], verify=True))
+    # resume with verification: the corrupt chunk (and only what follows it) is extracted again
+    out = extract_shard(config(smollm2_path, tmp_path / "x", verify_existing=True), spec)
+    assert out["complete"]
+    assert chunk_bytes(shard) == chunk_bytes(src)
+    # truncated: caught without verify too
+    (shard / last).write_bytes(data[:100])
+    with pytest.raises(CorruptChunkError, match=last):
+        list(HiddenStateReader([shard]))
+
+
+def test_wrong_layer_and_oversized_budget_give_clear_errors(spec, smollm2_path, tmp_path):
+    with pytest.raises(ConfigError, match=r"capture layer 30 does not exist .* 30 decoder layers.* 0\.\.29"):
+        extract_shard(config(smollm2_path, tmp_path, capture_layers=[2, 30]), spec)
+    with pytest.raises(ConfigError, match="capture layer -1 does not exist"):
+        extract_shard(config(smollm2_path, tmp_path, capture_layers=[-1]), spec)
+    # a budget whose activations cannot fit in this machine's free memory: caught before any work
+    with pytest.raises(ExtractOOMError, match=r"token_budget=100000000 needs about .* GB but only .* GB is free "
+                                               r"on cpu: set a smaller token_budget .* e\.g\. token_budget=\d+"):
+        extract_shard(config(smollm2_path, tmp_path, token_budget=100_000_000), spec)
+    assert not list((tmp_path / "shard-00000").glob("chunk-*"))
+    with pytest.raises(ConfigError, match="dtype='float16' is not supported on cpu"):
+        extract_shard(config(smollm2_path, tmp_path / "f16", dtype="float16"), spec)
+
+
+def test_fp8_storage_halves_bytes_and_stays_close(batched, spec, smollm2_path, reference, tmp_path):
+    out = extract_shard(config(smollm2_path, tmp_path, storage_dtype="float8_e4m3fn"), spec)
+    assert out["bytes"] < 0.3 * batched[1]["bytes"]  # 1 byte instead of 4 (fp32) per value, + scales
+    for s in HiddenStateReader([Path(out["shard_dir"])], verify=True):
+        aux, final = reference[s.row]
+        assert s.aux_hidden.dtype == torch.bfloat16
+        for got, ref in ((s.aux_hidden.float(), aux), (s.final_hidden.float(), final)):
+            rel = (got - ref).norm() / ref.norm()
+            assert rel < 0.05, rel  # e4m3 has a 3-bit mantissa: ~2-3% relative error
