@@ -330,7 +330,8 @@ class AirflowClient:
 
     def set_pool(self, name: str, slots: int) -> dict:
         try:
-            return self.request("PATCH", f"/api/v2/pools/{name}", json={"name": name, "slots": slots})
+            return self.request("PATCH", f"/api/v2/pools/{name}",
+                                json={"name": name, "slots": slots, "include_deferred": False})
         except ApiError as e:
             if e.status_code != 404:
                 raise
