@@ -235,7 +235,7 @@ class AirflowCluster:
         groups = list(self.groups.values())
         for pgid in groups:
             _killpg(pgid, signal.SIGTERM)
-        deadline = time.monotonic() + 15
+        deadline = time.monotonic() + 6  # a grace period for clean shutdowns, then SIGKILL
         while time.monotonic() < deadline and any(_group_members(g) for g in groups):
             time.sleep(0.3)
         for pgid in groups:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import time
 from datetime import datetime
 from pathlib import Path
@@ -34,7 +35,7 @@ def when(ts: str) -> float:
 
 def shard_manifests(run_dir: Path) -> dict[int, dict]:
     return {int(p.name.split("-")[1]): json.loads((p / "manifest.json").read_text())
-            for p in sorted((run_dir / "extract").glob("shard-*"))}
+            for p in sorted((run_dir / "extract").glob("shard-*")) if (p / "manifest.json").is_file()}
 
 
 @pytest.fixture(scope="session")
@@ -103,6 +104,7 @@ def test_failed_shard_is_cleared_alone_and_resumes(local_airflow, tmp_path):
     summary = api.xcom(DAG_ID, run_id, "verify")
     summary = json.loads(summary) if isinstance(summary, str) else summary
     assert summary["samples"] == 18 and summary["shards"] == 3
+    local_airflow.finished_run = run_id
 
     # the plugin page, served by the running api-server, shows the three shards from their manifests
     page = api.session.get(f"{api.base_url}/eagle3/shards", params={"dag_id": DAG_ID, "run_id": run_id}, timeout=30)
@@ -115,6 +117,95 @@ def test_failed_shard_is_cleared_alone_and_resumes(local_airflow, tmp_path):
     import requests
 
     assert requests.get(page.url, timeout=30).status_code in (401, 403)  # no login, no page
+
+
+CHROMEDRIVER = shutil.which("chromedriver")
+
+
+@pytest.fixture
+def browser():
+    if not CHROMEDRIVER or not (shutil.which("chromium") or shutil.which("chromium-browser")):
+        pytest.fail("chromium/chromedriver missing: run `bash scripts/setup.sh test` (installs them)")
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    opts = webdriver.ChromeOptions()
+    for a in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu", "--window-size=1400,1000"):
+        opts.add_argument(a)
+    opts.binary_location = shutil.which("chromium") or shutil.which("chromium-browser")
+    driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=opts)
+    driver.implicitly_wait(0)
+    yield driver
+    driver.quit()
+
+
+def wait_for(driver, css: str, timeout: float = 40, visible_text: str | None = None):
+    from selenium.webdriver.common.by import By
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        els = [e for e in driver.find_elements(By.CSS_SELECTOR, css) if e.is_displayed()]
+        if visible_text is not None:
+            els = [e for e in els if visible_text in e.text]
+        if els:
+            return els[0]
+        time.sleep(0.3)
+    raise TimeoutError(f"{css!r} ({visible_text!r}) not shown on {driver.current_url}")
+
+
+def test_browser_login_trigger_form_and_plugin_page(local_airflow, browser, tmp_path):
+    """Headless Chromium (Debian chromium + chromium-driver via selenium; scripts/setup.sh installs them for
+    the test path, the test installs nothing): log in, open the trigger form, open the plugin page of a run.
+    Screenshots: artifacts/tests/browser/."""
+    from selenium.webdriver.common.by import By
+
+    out = ARTIFACTS / "browser"
+    out.mkdir(parents=True, exist_ok=True)
+    api = local_airflow.client()
+    api.wait_dag(DAG_ID)
+    run_id = getattr(local_airflow, "finished_run", None)  # the backfill test's run, when it ran first
+    if run_id is None:
+        api.unpause(DAG_ID)
+        run_id = api.trigger(DAG_ID, conf={**EXTRA_CONF, "output_root": str(tmp_path), "run_name": "ui",
+                                           "shards": 3, "rows": 9, "chunk_seconds": 0})["dag_run_id"]
+        assert api.wait_run(DAG_ID, run_id, timeout=120)["state"] == "success"
+    base = local_airflow.base_url
+
+    # log in through the Simple auth manager's form
+    browser.get(base + "/")
+    wait_for(browser, "input[type=password]")
+    browser.save_screenshot(str(out / "01-login.png"))
+    user = browser.find_elements(By.CSS_SELECTOR, "input:not([type=password])")[0]
+    user.send_keys("admin")
+    browser.find_element(By.CSS_SELECTOR, "input[type=password]").send_keys("admin")
+    browser.find_element(By.CSS_SELECTOR, "button[type=submit]").click()
+    deadline = time.monotonic() + 40
+    while "/auth/" in browser.current_url and time.monotonic() < deadline:
+        time.sleep(0.3)
+    assert "/auth/" not in browser.current_url, "login did not leave the login page"
+    assert browser.get_cookie("_token"), "no session cookie after login"
+
+    # the DAG page and its trigger form (built from the DAG's params)
+    browser.get(f"{base}/dags/{DAG_ID}")
+    wait_for(browser, "button", visible_text="Trigger").click()
+    dialog = wait_for(browser, "[role=dialog]")
+    wait_for(browser, "[role=dialog]", visible_text="shards")
+    time.sleep(1)
+    browser.save_screenshot(str(out / "02-trigger-form.png"))
+    assert "output_root" in dialog.text or "Run Parameters" in dialog.text or "shards" in dialog.text
+
+    # the plugin's shard view inside the UI (run page entry), then the page itself
+    q = urlencode({"dag_id": DAG_ID, "run_id": run_id})
+    browser.get(f"{base}/dags/{DAG_ID}/runs/{run_id}/plugin/eagle3-shards")
+    time.sleep(4)
+    browser.save_screenshot(str(out / "03-run-plugin-tab.png"))
+    browser.get(f"{base}/eagle3/shards?{q}")
+    table = wait_for(browser, "#shards")
+    browser.save_screenshot(str(out / "04-plugin-shards.png"))
+    assert "3 shards: 3 complete" in browser.find_element(By.ID, "totals").text
+    assert len(table.find_elements(By.CSS_SELECTOR, "tr.complete")) == 3
+    assert all((out / f).stat().st_size > 5000 for f in
+               ("01-login.png", "02-trigger-form.png", "03-run-plugin-tab.png", "04-plugin-shards.png"))
 
 
 @pytest.fixture(scope="module")
