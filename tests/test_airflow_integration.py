@@ -12,6 +12,7 @@ import json
 import os
 import shutil
 import time
+from urllib.parse import urlencode
 from datetime import datetime
 from pathlib import Path
 
@@ -49,12 +50,14 @@ def metadata_db(tmp_path_factory):
 def local_airflow(metadata_db, tmp_path_factory):
     work = tmp_path_factory.mktemp("af-local")
     fault_once = work / "fault-fired"
-    cluster = AirflowCluster(metadata_db, work, executor="LocalExecutor", dags_folder=DAGS, pools={"gpu": 2},
+    db = metadata_db.clone()
+    cluster = AirflowCluster(db, work, executor="LocalExecutor", dags_folder=DAGS, pools={"gpu": 2},
                              extra_env={"EAGLE3_INJECT_FAULT": f"shard=1,after_chunks=2,once_file={fault_once}",
                                         "EAGLE3_SHARD_RETRIES": "0"})
     with cluster:
         cluster.fault_once = fault_once
         yield cluster
+    db.drop()
     for name in cluster.procs:
         (ARTIFACTS / "airflow-local").mkdir(parents=True, exist_ok=True)
         (ARTIFACTS / "airflow-local" / f"{name}.log").write_text(cluster.tail(name, 200_000))
@@ -211,7 +214,8 @@ def test_browser_login_trigger_form_and_plugin_page(local_airflow, browser, tmp_
 @pytest.fixture(scope="module")
 def celery_airflow(metadata_db, tmp_path_factory):
     work = tmp_path_factory.mktemp("af-celery")
-    cluster = AirflowCluster(metadata_db, work, executor="CeleryExecutor", dags_folder=DAGS, pools={"gpu": 2},
+    db = metadata_db.clone()
+    cluster = AirflowCluster(db, work, executor="CeleryExecutor", dags_folder=DAGS, pools={"gpu": 2},
                              extra_env={"EAGLE3_SHARD_RETRIES": "2"})
     with cluster:
         cluster.start_worker("default-worker", queues="default", concurrency=2)
@@ -220,6 +224,7 @@ def celery_airflow(metadata_db, tmp_path_factory):
         (ARTIFACTS / "airflow-celery").mkdir(parents=True, exist_ok=True)
         for name in cluster.procs:
             (ARTIFACTS / "airflow-celery" / f"{name}.log").write_text(cluster.tail(name, 200_000))
+    db.drop()
 
 
 GPU_WORKER_ENV = {"EAGLE3_PIN_GPUS": "1", "EAGLE3_GPUS": "0,1"}  # no GPU here: pinning is checked by the env it sets

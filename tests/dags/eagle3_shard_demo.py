@@ -31,11 +31,6 @@ def sample_tokens(row: int) -> int:
     return 3 + row % 5
 
 
-def parse_fault(spec: str) -> dict:
-    fault = dict(kv.split("=", 1) for kv in spec.split(",") if "=" in kv)
-    return {"shard": int(fault["shard"]), "after_chunks": int(fault["after_chunks"]), "once_file": fault["once_file"]}
-
-
 def chunk_tensors(rows: list[int]) -> dict:
     import torch
 
@@ -84,6 +79,7 @@ with DAG(
           execution_timeout=timedelta(minutes=5))
     def extract(spec: dict) -> dict:
         from eagle3.extract.format import ShardManifest, write_chunk
+        from eagle3.faults import maybe_inject_fault
         from eagle3.io import remove_stale_temps
         from eagle3.worker import worker_hostname
 
@@ -106,14 +102,10 @@ with DAG(
         m.save(shard_dir)
         if m.complete:
             return {"shard": shard, "skipped": True, "tokens": m.tokens}
-        fault = parse_fault(os.environ["EAGLE3_INJECT_FAULT"]) if os.environ.get("EAGLE3_INJECT_FAULT") else None
         next_row = m.chunks[-1].last_row + 1 if m.chunks else start
         t0, tokens0 = time.monotonic(), m.tokens
         while next_row < end:
-            if fault and fault["shard"] == shard and len(m.chunks) >= fault["after_chunks"]:
-                if not os.path.exists(fault["once_file"]):
-                    Path(fault["once_file"]).touch()
-                    raise RuntimeError(f"injected fault: shard {shard} after {len(m.chunks)} committed chunks")
+            maybe_inject_fault(shard, len(m.chunks))  # EAGLE3_INJECT_FAULT, see eagle3/faults.py
             rows = list(range(next_row, min(next_row + p["samples_per_chunk"], end)))
             time.sleep(p["chunk_seconds"])
             m.chunks.append(write_chunk(shard_dir, len(m.chunks), chunk_tensors(rows), fsync=False))
