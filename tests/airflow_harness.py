@@ -155,7 +155,7 @@ class AirflowCluster:
             "AIRFLOW__WORKERS__MIN_HEARTBEAT_INTERVAL": "2",
         })
         if executor == "CeleryExecutor":
-            rdb = redis_db if redis_db is not None else 1 + int(uuid.uuid4().int % 14)
+            rdb = redis_db if redis_db is not None else _empty_redis_db()
             self.env.update({
                 "AIRFLOW__CELERY__BROKER_URL": f"{REDIS_URL}/{rdb}",
                 "AIRFLOW__CELERY__RESULT_BACKEND": f"db+{db.url.replace('+psycopg2', '')}",
@@ -266,6 +266,18 @@ class AirflowCluster:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def _empty_redis_db() -> int:
+    """A Redis database number nobody uses now (dbsize 0), so two test sessions never share a broker."""
+    import random
+
+    import redis
+
+    for n in random.sample(range(1, 16), 15):
+        if redis.Redis.from_url(f"{REDIS_URL}/{n}").dbsize() == 0:
+            return n
+    raise RuntimeError(f"no empty Redis database on {REDIS_URL}")
 
 
 def _killpg(pgid: int, sig: int) -> None:
