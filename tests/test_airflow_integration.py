@@ -53,7 +53,9 @@ def local_airflow(metadata_db, tmp_path_factory):
     db = metadata_db.clone()
     cluster = AirflowCluster(db, work, executor="LocalExecutor", dags_folder=DAGS, pools={"gpu": 2},
                              extra_env={"EAGLE3_INJECT_FAULT": f"shard=1,after_chunks=2,once_file={fault_once}",
-                                        "EAGLE3_SHARD_RETRIES": "0"})
+                                        "EAGLE3_SHARD_RETRIES": "0",
+                                        # the DAG's default output_root, used by the run triggered from the UI form
+                                        "EAGLE3_OUTPUT_ROOT": str(work / "ui-runs")})
     try:
         with cluster:
             cluster.fault_once = fault_once
@@ -119,6 +121,8 @@ def test_failed_shard_is_cleared_alone_and_resumes(local_airflow, tmp_path):
     data = api.get("/eagle3/api/shards", dag_id=DAG_ID, run_id=run_id)
     assert [(s["shard"], s["chunks"], s["airflow"]["try_number"]) for s in data["shards"]] == [(0, 3, 1), (1, 3, 2), (2, 3, 1)]
     assert data["totals"]["tokens"] == sum(m["tokens"] for m in manifests.values())
+    index = api.session.get(f"{api.base_url}/eagle3/", timeout=30)
+    assert index.status_code == 200 and run_id in index.text  # Browse > EAGLE-3 runs lists the run
     import requests
 
     assert requests.get(page.url, timeout=30).status_code in (401, 403)  # no login, no page
@@ -193,11 +197,25 @@ def test_browser_login_trigger_form_and_plugin_page(local_airflow, browser, tmp_
     # the DAG page and its trigger form (built from the DAG's params)
     browser.get(f"{base}/dags/{DAG_ID}")
     wait_for(browser, "button", visible_text="Trigger").click()
-    dialog = wait_for(browser, "[role=dialog]")
-    wait_for(browser, "[role=dialog]", visible_text="shards")
+    dialog = wait_for(browser, "[role=dialog]", visible_text="shards")
     time.sleep(1)
     browser.save_screenshot(str(out / "02-trigger-form.png"))
-    assert "output_root" in dialog.text or "Run Parameters" in dialog.text or "shards" in dialog.text
+    for name in ("output_root", "run_name", "shards", "chunk_seconds", "Number of extraction shards."):
+        assert name in dialog.text, name
+    # submit the form with its defaults: a run must start, with the DAG's default params
+    before = {r["dag_run_id"] for r in api.get(f"/api/v2/dags/{DAG_ID}/dagRuns")["dag_runs"]}
+    submit = [b for b in dialog.find_elements(By.CSS_SELECTOR, "button") if b.text.strip() == "Trigger"][-1]
+    assert submit.is_enabled(), "the trigger form reports invalid defaults"
+    browser.execute_script("arguments[0].scrollIntoView();", submit)
+    submit.click()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        new = [r for r in api.get(f"/api/v2/dags/{DAG_ID}/dagRuns")["dag_runs"] if r["dag_run_id"] not in before]
+        if new:
+            break
+        time.sleep(0.5)
+    assert new and new[0]["conf"].get("shards", 3) == 3, new
+    browser.save_screenshot(str(out / "02b-after-trigger.png"))
 
     # the plugin's shard view inside the UI (run page entry), then the page itself
     q = urlencode({"dag_id": DAG_ID, "run_id": run_id})

@@ -54,7 +54,9 @@ with DAG(
     max_active_runs=2,
     params={
         "output_root": Param(DEFAULT_OUTPUT_ROOT, type="string", minLength=1, description="Runs go under here."),
-        "run_name": Param("", type="string", pattern="^[A-Za-z0-9._-]*$", description="Run folder; empty = run id."),
+        # null, not "": the UI trigger form treats an empty string as a missing required value
+        "run_name": Param(None, type=["null", "string"], pattern="^[A-Za-z0-9._-]+$",
+                          description="Run folder; empty = the run id. Reuse a name to resume a run."),
         "shards": Param(3, type="integer", minimum=1, maximum=16, description="Number of extraction shards."),
         "rows": Param(24, type="integer", minimum=1, description="Samples in the (pretend) merged dataset."),
         "samples_per_chunk": Param(2, type="integer", minimum=1, description="Samples per committed chunk."),
