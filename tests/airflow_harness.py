@@ -8,9 +8,10 @@
         api.wait_run("eagle3_drafter", run["dag_run_id"])
     db.drop()
 
-Every process leads its own session and process group, which holds everything it forks (so a test can
-SIGKILL "the machine" of one Celery worker with its running tasks); stop() kills every group and checks /proc that
-nothing is left. Point it at another DAG folder with `dags_folder` (the real dags/ is the default).
+Every process leads its own session, which holds everything it forks, task processes included (Airflow
+gives each task a process group of its own, so the harness kills by session, group by group): a test can
+SIGKILL "the machine" of one Celery worker with its running tasks, and stop() kills every session and checks
+/proc that nothing is left. Point it at another DAG folder with `dags_folder` (the real dags/ is the default).
 """
 
 from __future__ import annotations
@@ -113,6 +114,10 @@ class Proc:
     def pgid(self) -> int:
         return self.popen.pid  # started as its own session and group leader (see _spawn)
 
+    @property
+    def sid(self) -> int:
+        return self.popen.pid
+
 
 class AirflowCluster:
     def __init__(self, db: MetadataDB, workdir: Path, executor: str = "LocalExecutor",
@@ -127,7 +132,7 @@ class AirflowCluster:
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.triggerer = triggerer
         self.pools = pools or {}
-        self.groups: dict[str, int] = {}  # process group name -> pgid
+        self.groups: dict[str, int] = {}  # process name -> its session id (= its pid)
         self.procs: dict[str, Proc] = {}
         self.env = base_env(self.home, db.url)
         self.env.update({
@@ -169,9 +174,8 @@ class AirflowCluster:
 
     # -- processes ------------------------------------------------------------------------------------
     def _spawn(self, name: str, args: list[str], env: dict[str, str] | None = None) -> Proc:
-        # Each process leads its own session and process group: everything it forks (gunicorn/uvicorn
-        # workers, executor workers, task supervisors and tasks) stays in that group, and a process group
-        # cannot be joined across sessions, so the harness tracks one group per process.
+        # Each process leads its own session: everything it forks (uvicorn workers, executor workers,
+        # task supervisors and the tasks in their own process groups) stays in that session.
         log = self.logs / f"{name}.log"
         with open(log, "ab") as f:
             popen = subprocess.Popen([airflow_bin(), *args], env=env or self.env, stdout=f, stderr=subprocess.STDOUT,
@@ -194,18 +198,21 @@ class AirflowCluster:
         return self
 
     def start_worker(self, name: str, queues: str, concurrency: int = 2, extra_env: dict[str, str] | None = None) -> Proc:
-        """A Celery worker in its own process group (kill_worker() takes it down like a lost machine)."""
+        """A Celery worker in its own session (kill_worker() takes it down like a lost machine)."""
         env = dict(self.env, EAGLE3_WORKER_NAME=name, **(extra_env or {}))
         env["AIRFLOW__LOGGING__WORKER_LOG_SERVER_PORT"] = str(free_port())
         return self._spawn(name, ["celery", "worker", "-q", queues, "-c", str(concurrency),
                                   "-H", f"{name}@%h", "--without-mingle", "--without-gossip"], env=env)
 
     def kill_worker(self, name: str) -> None:
-        """SIGKILL the worker and every process under it (its children and running tasks)."""
-        pgid = self.groups.pop(name)
-        os.killpg(pgid, signal.SIGKILL)
+        """SIGKILL the worker and every process of its session: Celery children, task supervisors and the
+        task processes (Airflow puts each task in a process group of its own, so a group kill would miss
+        them), as when the worker's machine dies."""
+        sid = self.groups.pop(name)
+        _kill_session(sid, signal.SIGKILL)
         self.procs[name].popen.wait(timeout=10)
-        _wait_group_gone(pgid, 10)
+        left = _wait_session_gone(sid, 10)
+        assert not left, f"{name}: processes survived SIGKILL: {left}"
 
     def wait_healthy(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -238,21 +245,22 @@ class AirflowCluster:
         return AirflowClient(self.base_url)
 
     def stop(self) -> None:
-        """SIGTERM every owned group, SIGKILL what is left after a grace period, then verify none survive."""
-        groups = list(self.groups.values())
-        for pgid in groups:
-            _killpg(pgid, signal.SIGTERM)
+        """SIGTERM every owned session's leader group, SIGKILL all that is left of the sessions after a grace
+        period (tasks included), then verify through /proc that no process of any session survives."""
+        sessions = list(self.groups.values())
+        for sid in sessions:
+            _killpg(sid, signal.SIGTERM)
         deadline = time.monotonic() + 6  # a grace period for clean shutdowns, then SIGKILL
-        while time.monotonic() < deadline and any(_group_members(g) for g in groups):
+        while time.monotonic() < deadline and any(_session_members(s) for s in sessions):
             time.sleep(0.3)
-        for pgid in groups:
-            _killpg(pgid, signal.SIGKILL)
+        for sid in sessions:
+            _kill_session(sid, signal.SIGKILL)
         for p in self.procs.values():
             try:
                 p.popen.wait(timeout=5)
             except subprocess.TimeoutExpired:
                 pass
-        left = {g: _group_members(g) for g in groups if _wait_group_gone(g, 10)}
+        left = {sid: m for sid in sessions if (m := _wait_session_gone(sid, 10))}
         self.groups.clear()
         if left:
             raise RuntimeError(f"processes left after stop: {left}")
@@ -287,21 +295,28 @@ def _killpg(pgid: int, sig: int) -> None:
         pass
 
 
-def _group_members(pgid: int) -> list[int]:
-    pids = []
+def _session_members(sid: int) -> dict[int, int]:
+    """{pid: pgid} of the live processes of session `sid` (from /proc; zombies are already dead)."""
+    members = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
             fields = stat.read_text().rsplit(")", 1)[1].split()
         except OSError:
             continue
-        if int(fields[2]) == pgid and fields[0] != "Z":
-            pids.append(int(stat.parent.name))
-    return pids
+        if int(fields[3]) == sid and fields[0] != "Z":
+            members[int(stat.parent.name)] = int(fields[2])
+    return members
 
 
-def _wait_group_gone(pgid: int, timeout: float) -> list[int]:
+def _kill_session(sid: int, sig: int) -> None:
+    for pgid in set(_session_members(sid).values()):
+        _killpg(pgid, sig)
+
+
+def _wait_session_gone(sid: int, timeout: float) -> dict[int, int]:
     deadline = time.monotonic() + timeout
-    while (left := _group_members(pgid)) and time.monotonic() < deadline:
+    while (left := _session_members(sid)) and time.monotonic() < deadline:
+        _kill_session(sid, signal.SIGKILL)
         time.sleep(0.2)
     return left
 

@@ -276,7 +276,10 @@ def test_celery_gpu_queue_concurrency_and_worker_kill(celery_airflow, tmp_path):
     # shards cut mid-way: started (manifest stamped) but not complete when the worker died
     at_kill = {i: len(m["chunks"]) for i, m in shard_manifests(tmp_path / "celery").items() if not m["complete"]}
     assert any(at_kill.values()), at_kill
-    time.sleep(2)
+    time.sleep(3)
+    # nothing of the dead worker writes on: the cut shards did not move while no gpu worker was up
+    after = {i: len(m["chunks"]) for i, m in shard_manifests(tmp_path / "celery").items() if i in at_kill}
+    assert after == at_kill, (at_kill, after)
     af.start_worker("gpu-worker", queues="gpu", concurrency=2, extra_env=GPU_WORKER_ENV)
 
     run = api.wait_run(DAG_ID, run_id, timeout=240)
