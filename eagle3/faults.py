@@ -1,0 +1,50 @@
+"""Fault injection for drills and tests: make one extraction shard fail after k committed chunks.
+
+    EAGLE3_INJECT_FAULT="shard=<i>,after_chunks=<k>,once_file=<path>"
+
+A shard task calls `maybe_inject_fault(shard, committed_chunks)` after each committed chunk (and before
+the first). Shard i raises InjectedFault once it has k committed chunks, unless `once_file` exists; it
+creates `once_file` first, so the fault fires once and the re-run (retry or a user's clear) succeeds.
+Unset variable = no-op.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from eagle3.errors import ConfigError, PipelineError
+
+ENV_VAR = "EAGLE3_INJECT_FAULT"
+
+
+class InjectedFault(PipelineError):
+    """Raised on purpose by EAGLE3_INJECT_FAULT."""
+
+
+@dataclass(frozen=True)
+class FaultSpec:
+    shard: int
+    after_chunks: int
+    once_file: Path
+
+
+def parse_fault(spec: str) -> FaultSpec:
+    try:
+        fields = dict(kv.strip().split("=", 1) for kv in spec.split(",") if kv.strip())
+        return FaultSpec(int(fields["shard"]), int(fields["after_chunks"]), Path(fields["once_file"]))
+    except (KeyError, ValueError) as e:
+        raise ConfigError(f"{ENV_VAR}={spec!r}: expected 'shard=<i>,after_chunks=<k>,once_file=<path>' ({e})") from e
+
+
+def maybe_inject_fault(shard: int, committed_chunks: int, env: dict[str, str] | None = None) -> None:
+    spec = (os.environ if env is None else env).get(ENV_VAR)
+    if not spec:
+        return
+    fault = parse_fault(spec)
+    if fault.shard != shard or committed_chunks < fault.after_chunks or fault.once_file.exists():
+        return
+    fault.once_file.parent.mkdir(parents=True, exist_ok=True)
+    fault.once_file.touch()
+    raise InjectedFault(f"injected fault ({ENV_VAR}): shard {shard} after {committed_chunks} committed chunks")

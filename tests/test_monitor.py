@@ -1,0 +1,80 @@
+import json
+
+import torch
+
+from eagle3.extract.format import ShardManifest, write_chunk
+from eagle3.monitor import COMPLETE, IN_PROGRESS, NOT_STARTED, human_bytes, run_dir_for, run_progress
+
+
+def chunk(rows, n_tok=3):
+    t = n_tok * len(rows)
+    return {"input_ids": torch.arange(t, dtype=torch.int32), "loss_mask": torch.ones(t, dtype=torch.uint8),
+            "aux_hidden": torch.zeros(t, 6, dtype=torch.bfloat16), "final_hidden": torch.zeros(t, 2, dtype=torch.bfloat16),
+            "sample_offsets": torch.arange(0, t + 1, n_tok, dtype=torch.int64),
+            "sample_rows": torch.tensor(rows, dtype=torch.int64)}
+
+
+def test_states_counts_and_rates_from_real_manifests(tmp_path):
+    ext = tmp_path / "run" / "extract"
+    # shard 0 complete, 2 chunks; shard 1 in progress with the rate fields the task adds; shard 2 folder only
+    m0 = ShardManifest(shard=0, model_path="m", capture_layers=[1, 2, 3], hidden_size=2, dtype="bfloat16")
+    d0 = ext / "shard-00000"
+    m0.chunks += [write_chunk(d0, 0, chunk([0, 1])), write_chunk(d0, 1, chunk([2]))]
+    m0.complete = True
+    m0.params.update(started_at="2026-12-03T01:00:00+00:00", updated_at="2026-12-03T01:00:03+00:00")
+    m0.save(d0)
+    d1 = ext / "shard-00001"
+    m1 = ShardManifest(shard=1, model_path="m", capture_layers=[1, 2, 3], hidden_size=2, dtype="bfloat16")
+    m1.chunks.append(write_chunk(d1, 0, chunk([3, 4, 5])))
+    m1.params.update(started_at="2026-12-03T01:00:00Z", tokens_per_s=1234.5)
+    m1.save(d1)
+    (ext / "shard-00002").mkdir()
+
+    p = run_progress(tmp_path / "run", expected_shards=5)
+    by = {s.shard: s for s in p.shards}
+    assert [s.state for s in p.shards] == [COMPLETE, IN_PROGRESS, NOT_STARTED, NOT_STARTED, NOT_STARTED]
+    assert (by[0].chunks, by[0].tokens, by[0].samples) == (2, 9, 3)
+    assert by[0].bytes_written == sum(c.bytes for c in m0.chunks) > 0
+    assert by[0].tokens_per_s == 3.0  # 9 tokens over the 3 s between started_at and updated_at
+    assert by[1].tokens_per_s == 1234.5 and by[1].tokens == 9
+    t = p.totals
+    assert (t["complete"], t["in_progress"], t["not_started"], t["chunks"], t["tokens"]) == (1, 1, 3, 3, 18)
+    assert t["tokens_per_s"] == 1234.5
+    json.dumps(p.to_dict())
+
+
+def test_unreadable_and_odd_manifests_do_not_raise(tmp_path):
+    ext = tmp_path / "extract"
+    (ext / "shard-00000").mkdir(parents=True)
+    (ext / "shard-00000" / "manifest.json").write_text('{"chunks": [{"tok')  # mid-write by a foreign tool
+    (ext / "shard-00001").mkdir()
+    (ext / "shard-00001" / "manifest.json").write_text(json.dumps({"chunks": "nonsense", "params": [1], "complete": "yes"}))
+    (ext / "shard-00002").mkdir()
+    (ext / "shard-00002" / ".chunk-000000.safetensors.tmp-1-ab").write_bytes(b"x")
+    (ext / "not-a-shard").mkdir()
+    s = run_progress(tmp_path).shards
+    assert [x.shard for x in s] == [0, 1, 2]
+    assert s[0].state == IN_PROGRESS and "unreadable manifest" in s[0].error
+    assert s[1].state == NOT_STARTED and s[1].chunks == 0
+    assert s[2].state == IN_PROGRESS
+    assert run_progress(tmp_path / "missing").shards == []
+
+
+def test_run_dir_matches_the_dag_layout(tmp_path):
+    assert run_dir_for({"output_root": "/o", "run_name": ""}, "manual__2026-12-03T01:00:00+00:00") == \
+        tmp_path.__class__("/o/manual__2026-12-03T01-00-00-00-00")
+    assert str(run_dir_for({"output_root": "/o", "run_name": "exp1"}, "x")) == "/o/exp1"
+    assert human_bytes(999) == "999 B" and human_bytes(1_500_000) == "1.50 MB"
+
+
+def test_plugin_loads_in_airflow():
+    from airflow import plugins_manager
+
+    plugins, errors = plugins_manager._get_plugins()
+    assert not errors, errors
+    p = next(p for p in plugins if p.name == "eagle3")
+    apps, _ = plugins_manager.get_fastapi_plugins()
+    assert any(a["url_prefix"] == "/eagle3" for a in apps)
+    views, _ = plugins_manager._get_ui_plugins()
+    assert {v["url_route"] for v in views} >= {"eagle3-shards", "eagle3-runs"}
+    assert "{RUN_ID}" in p.external_views[0]["href"] and p.external_views[0]["destination"] == "dag_run"
