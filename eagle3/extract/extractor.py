@@ -20,7 +20,6 @@ chunk of the plan, overwriting any uncommitted chunk file a killed run left.
 from __future__ import annotations
 
 import logging
-import os
 import queue
 import threading
 import time
@@ -31,6 +30,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from eagle3.faults import ENV_VAR as FAULT_ENV, InjectedFault, maybe_inject_fault  # noqa: F401
 from eagle3.errors import ConfigError, PipelineError
 from eagle3.extract.backend import DTYPES, ExtractionBackend, HFBackend
 from eagle3.extract.format import ChunkRecord, CorruptChunkError, ShardManifest, load_chunk, write_chunk
@@ -40,7 +40,6 @@ from eagle3.models import default_capture_layers, model_info
 
 log = logging.getLogger(__name__)
 
-FAULT_ENV = "EAGLE3_INJECT_FAULT"
 FP8 = "float8_e4m3fn"  # optional storage: e4m3 values with one fp32 scale per token and layer
 FP8_MAX = 448.0
 STORAGE_DTYPES = {**DTYPES, FP8: torch.float8_e4m3fn}
@@ -48,10 +47,6 @@ STORAGE_DTYPES = {**DTYPES, FP8: torch.float8_e4m3fn}
 
 class ExtractOOMError(PipelineError):
     """The token budget does not fit the device; the message names the param and a smaller value."""
-
-
-class InjectedFault(PipelineError):
-    """Raised by the test-only fault hook (EAGLE3_INJECT_FAULT)."""
 
 
 @dataclass
@@ -205,19 +200,6 @@ def oom_message(token_budget: int, need: int | None, free: int | None, device) -
             f"'token_budget', padded tokens per forward pass), e.g. token_budget={suggest}")
 
 
-# -- the test-only fault hook --------------------------------------------------------------
-
-def parse_fault(value: str | None) -> dict | None:
-    """EAGLE3_INJECT_FAULT="shard=<i>,after_chunks=<k>,once_file=<path>"."""
-    if not value:
-        return None
-    try:
-        d = dict(kv.split("=", 1) for kv in value.split(","))
-        return {"shard": int(d["shard"]), "after_chunks": int(d["after_chunks"]), "once_file": d["once_file"]}
-    except (ValueError, KeyError) as e:
-        raise ConfigError(f"{FAULT_ENV}={value!r}: expected shard=<i>,after_chunks=<k>,once_file=<path>") from e
-
-
 # -- the extractor -------------------------------------------------------------------------
 
 class _StateBuffers:
@@ -286,7 +268,6 @@ class ShardExtractor:
             "spec": self.spec.to_dict(),
         }
         self.fingerprint = fingerprint(self.params)
-        self.fault = parse_fault(os.environ.get(FAULT_ENV))
         self._lock = threading.Condition()
         self._error: BaseException | None = None
 
@@ -554,16 +535,7 @@ class ShardExtractor:
             self._lock.notify_all()
 
     def _check_fault(self) -> None:
-        f = self.fault
-        if not f or f["shard"] != self.spec.shard or len(self.manifest.chunks) != f["after_chunks"]:
-            return
-        once = Path(f["once_file"])
-        if once.exists():
-            return
-        once.parent.mkdir(parents=True, exist_ok=True)
-        once.write_text(f"shard {self.spec.shard} failed once after {f['after_chunks']} chunks\n")
-        raise InjectedFault(f"{FAULT_ENV}: injected failure of shard {self.spec.shard} after "
-                            f"{f['after_chunks']} committed chunks")
+        maybe_inject_fault(self.spec.shard, len(self.manifest.chunks))
 
     def _maybe_log(self, total_tokens: int, force: bool = False) -> None:
         p = self._progress
