@@ -58,6 +58,7 @@ def generate_answers(model, tokenizer, prompts: list[str], max_new_tokens: int, 
         for i, row in zip(ids, out[:, width:].tolist()):
             answer = row[: row.index(eos) + 1] if eos in row else row
             samples.append({"input_ids": i + answer, "loss_mask": [0] * len(i) + [1] * len(answer)})
+        log.info("generated answers for %d/%d prompts", len(samples), len(prompts))
     return samples
 
 

@@ -67,6 +67,8 @@ class TrainConfig:
     device: str = "auto"  # auto = cuda if available
     init_lm_head_from_target: bool = True
     log_every: int = 1
+    compile: bool = True  # torch.compile the TTT loss on GPU (2x faster at 8B shape, see docs/benchmarks.md)
+    pad_multiple: int = 256  # on GPU, pad batches to a multiple of this so compiled shapes are few
     stop_after_steps: int = 0  # testing hook: exit cleanly after this many steps (no export)
 
     def validate(self) -> "TrainConfig":
@@ -93,7 +95,7 @@ class TrainConfig:
 
     def fingerprint(self) -> str:
         d = asdict(self)
-        for k in ("stop_after_steps", "device", "log_every", "checkpoint_every", "keep_checkpoints"):
+        for k in ("stop_after_steps", "device", "log_every", "checkpoint_every", "keep_checkpoints", "compile"):
             d.pop(k)  # these do not change the result
         return fingerprint(d)
 
@@ -153,9 +155,11 @@ class BatchOrder:
                 index += 1
 
 
-def collate(samples: list[dict], max_len: int) -> dict:
-    """Right-pad samples (truncated to max_len) into a batch; `valid` marks real tokens."""
+def collate(samples: list[dict], max_len: int, pad_multiple: int = 1) -> dict:
+    """Right-pad samples (truncated to max_len) into a batch, its length rounded up to pad_multiple.
+    Padding has loss_mask 0 and sits after every real token, so causal attention never reads it."""
     T = min(max_len, max(len(s["input_ids"]) for s in samples))
+    T = min(max_len, -(-T // pad_multiple) * pad_multiple)
     B = len(samples)
     H3, H = samples[0]["aux_hidden"].shape[-1], samples[0]["final_hidden"].shape[-1]
     out = {
@@ -187,8 +191,8 @@ def shift_left(x: torch.Tensor, n: int, length: int) -> torch.Tensor:
 
 
 def ttt_loss(drafter: Eagle3Drafter, batch: dict, embed: torch.Tensor, target_head: torch.Tensor,
-             ttt_steps: int, step_decay: float) -> tuple[torch.Tensor, list[dict]]:
-    """Weighted TTT loss and per-step stats {loss_sum, correct, count}.
+             ttt_steps: int, step_decay: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Weighted TTT loss and per-step stats [K, 3] = (masked loss sum, correct top-1, masked count).
 
     embed: the target's embedding [V, H]; target_head: the target's lm_head rows of the draft vocab [Vd, H].
     """
@@ -202,7 +206,7 @@ def ttt_loss(drafter: Eagle3Drafter, batch: dict, embed: torch.Tensor, target_he
     embeds = [F.embedding(shift_left(ids, 1 + k, S), embed) for k in range(ttt_steps)]
     all_logits = drafter.ttt_forward(aux[:, :S], embeds, positions)
     total = torch.zeros((), device=ids.device)
-    stats = []
+    stats = []  # per step: (masked loss sum, correct, count); tensors, so the GPU is synced once per step
     for k, logits in enumerate(all_logits):
         p = shift_left(teacher, k, S)
         m = shift_left(mask, 2 + k, S).float()  # mask of the PREDICTED token t+2+k
@@ -211,8 +215,8 @@ def ttt_loss(drafter: Eagle3Drafter, batch: dict, embed: torch.Tensor, target_he
         loss_k = (ce * m).sum() / count.clamp(min=1)
         total = total + (step_decay ** k) * loss_k
         correct = ((logits.argmax(-1) == p.argmax(-1)).float() * m).sum()
-        stats.append({"loss_sum": float((ce * m).sum().detach()), "correct": float(correct), "count": float(count)})
-    return total, stats
+        stats.append(torch.stack([(ce * m).sum().detach(), correct, count]))
+    return total, torch.stack(stats)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -328,7 +332,8 @@ def train(cfg: TrainConfig) -> dict:
     if cfg.init_lm_head_from_target:
         drafter.lm_head.weight.data.copy_(target_head.cpu())  # start from the target's own readout
     drafter.to(device)
-    opt = torch.optim.AdamW(drafter.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+    opt = torch.optim.AdamW(drafter.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay,
+                            fused=device.type == "cuda")
     order = BatchOrder(reader, cfg.batch_size, cfg.seed)
     steps_per_epoch = order.batches_per_epoch // cfg.grad_accum
     if steps_per_epoch == 0:
@@ -353,7 +358,10 @@ def train(cfg: TrainConfig) -> dict:
     else:
         metrics_path.unlink(missing_ok=True)
 
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu", enabled=False)
+    on_gpu = device.type == "cuda"
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if on_gpu else torch.autocast("cpu", enabled=False)
+    loss_fn = torch.compile(ttt_loss) if (cfg.compile and on_gpu) else ttt_loss
+    pad_multiple = cfg.pad_multiple if on_gpu else 1
     t_start, tokens_done = time.time(), 0
 
     def micro_batches():
@@ -369,18 +377,16 @@ def train(cfg: TrainConfig) -> dict:
     with open(metrics_path, "a") as mf:
         while step < total_steps:
             opt.zero_grad(set_to_none=True)
-            sums = [{"loss_sum": 0.0, "correct": 0.0, "count": 0.0} for _ in range(cfg.ttt_steps)]
+            sums = torch.zeros(cfg.ttt_steps, 3, dtype=torch.float64)
             loss_total = 0.0
             for _ in range(cfg.grad_accum):
-                batch = {k: v.to(device, non_blocking=True) for k, v in collate(next(stream), cfg.max_seq_len).items()}
+                batch = {k: v.to(device, non_blocking=True) for k, v in collate(next(stream), cfg.max_seq_len, pad_multiple).items()}
                 with autocast:
-                    loss, stats = ttt_loss(drafter, batch, embed, target_head, cfg.ttt_steps, cfg.step_decay)
+                    loss, stats = loss_fn(drafter, batch, embed, target_head, cfg.ttt_steps, cfg.step_decay)
                 (loss / cfg.grad_accum).backward()
                 loss_total += float(loss.detach()) / cfg.grad_accum
                 tokens_done += int(batch["input_ids"].numel())
-                for s, st in zip(sums, stats):
-                    for key in s:
-                        s[key] += st[key]
+                sums += stats.double().cpu()
             grad_norm = torch.nn.utils.clip_grad_norm_(drafter.parameters(), cfg.grad_clip)
             lr = sched.get_last_lr()[0]
             opt.step()
@@ -389,8 +395,8 @@ def train(cfg: TrainConfig) -> dict:
             if step % cfg.log_every == 0 or step == total_steps:
                 rec = {
                     "step": step, "epoch": epoch, "lr": lr, "loss": loss_total, "grad_norm": float(grad_norm),
-                    "loss_k": [s["loss_sum"] / max(1.0, s["count"]) for s in sums],
-                    "acc_k": [s["correct"] / max(1.0, s["count"]) for s in sums],
+                    "loss_k": (sums[:, 0] / sums[:, 2].clamp(min=1)).tolist(),
+                    "acc_k": (sums[:, 1] / sums[:, 2].clamp(min=1)).tolist(),
                     "tokens_per_s": tokens_done / max(1e-9, time.time() - t_start),
                 }
                 mf.write(json.dumps(rec) + "\n")
