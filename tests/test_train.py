@@ -70,6 +70,28 @@ def test_ttt_unroll_equals_cached_chain_drafting():
             torch.testing.assert_close(logits[0, -1], ttt[k][0, t], atol=1e-5, rtol=1e-5)
 
 
+def test_loss_mask_is_shifted_with_the_targets():
+    """Slot t at step k predicts token t+2+k from the teacher final_hidden[t+1+k]; the mask used must be
+    that token's loss_mask[t+2+k] (an unshifted mask would train on prompt tokens)."""
+    from eagle3.train.trainer import ttt_loss
+
+    torch.manual_seed(0)
+    cfg = DrafterConfig(32, 64, 2, 1, 16, draft_vocab_size=20, target_vocab_size=40)
+    d = Eagle3Drafter(cfg)
+    T, j, K = 12, 8, 3
+    embed, head = torch.randn(40, 32), torch.randn(20, 32)
+    batch = {"input_ids": torch.randint(0, 40, (1, T)), "loss_mask": torch.zeros(1, T, dtype=torch.bool),
+             "aux": torch.randn(1, T, 96), "final": torch.randn(1, T, 32)}
+    batch["loss_mask"][0, j] = True  # only token j is an answer token
+    loss, stats = ttt_loss(d, batch, embed, head, K, 0.8)
+    assert stats[:, 2].tolist() == [1.0] * K  # every step has exactly one slot to learn: t = j-2-k
+    for pos in range(T):  # only the teacher of token j (final_hidden[j-1]) can move the loss
+        moved = {k: v.clone() for k, v in batch.items()}
+        moved["final"][0, pos] += 1.0
+        changed = not torch.allclose(ttt_loss(d, moved, embed, head, K, 0.8)[0], loss)
+        assert changed == (pos == j - 1), pos
+
+
 # ------------------------------------------------------------------ real extracted states
 
 
