@@ -1,0 +1,1 @@
+"""Drafter training: draft vocabulary, the EAGLE-3 drafter, training-time test, export for SGLang, evaluation."""

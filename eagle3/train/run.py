@@ -1,0 +1,168 @@
+"""The training and evaluation phases as the DAG runs them: idempotent, with artifacts and report.json.
+
+train_phase:    shards -> <train_dir>/{draft_vocab.safetensors, checkpoints/, metrics.jsonl, export/,
+                training.png, report.json}. A finished run (report.json with the same fingerprint and the
+                export present) is skipped; a killed one resumes from its last checkpoint.
+evaluate_phase: export + target + held-out prompts -> <eval_dir>/{report.json, acceptance.png}.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from eagle3.errors import ConfigError, PipelineError
+from eagle3.io import atomic_path, atomic_write_json, fingerprint, read_json, sha256_file
+from eagle3.train.export import export_drafter, load_exported
+from eagle3.train.trainer import TrainConfig, read_metrics, train
+
+log = logging.getLogger(__name__)
+
+
+def plot_training(metrics: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [m["step"] for m in metrics]
+    K = len(metrics[0]["loss_k"])
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    a.plot(steps, [m["loss"] for m in metrics], "k-", label="weighted total")
+    for k in range(K):
+        a.plot(steps, [m["loss_k"][k] for m in metrics], lw=0.8, label=f"step {k}")
+        b.plot(steps, [m["acc_k"][k] for m in metrics], lw=0.8, label=f"step {k}")
+    a.set(xlabel="optimizer step", ylabel="soft cross-entropy", title="TTT loss", yscale="log")
+    b.set(xlabel="optimizer step", ylabel="top-1 accuracy vs target", title="TTT top-1 accuracy", ylim=(0, 1))
+    a.legend(fontsize=7)
+    b.legend(fontsize=7)
+    fig.tight_layout()
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, format="png", dpi=90)
+    plt.close(fig)
+
+
+def plot_acceptance(reports: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name, r in reports.items():
+        xs = list(range(1, r["k"] + 1))
+        ax.plot(xs, r["acceptance_rate_by_position"], "o-", label=f"{name}: conditional (tau {r['tau']:.2f})")
+        ax.plot(xs, r["accepted_at_least"], "x--", label=f"{name}: P(>= i accepted)")
+    ax.set(xlabel="draft position i", ylabel="acceptance rate", ylim=(0, 1.02), title="Acceptance by draft position")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, format="png", dpi=90)
+    plt.close(fig)
+
+
+def train_phase(cfg: TrainConfig) -> dict:
+    out = Path(cfg.output_dir)
+    report_path, export_dir = out / "report.json", out / "export"
+    fp = cfg.validate().fingerprint()
+    if report_path.is_file() and (export_dir / "model.safetensors").is_file():
+        report = read_json(report_path)
+        if report.get("fingerprint") == fp:
+            log.info("training already complete in %s: skipping", out)
+            return report
+    res = train(cfg)
+    if cfg.stop_after_steps and res["steps"] < res["total_steps"]:
+        return {"stopped_at": res["steps"]}
+    export_drafter(res["drafter"], res["vocab"], res["info"], res["capture_layers"], export_dir)
+    metrics = read_metrics(out / "metrics.jsonl")
+    plot_training(metrics, out / "training.png")
+    first, last = metrics[0], metrics[-1]
+    report = {
+        "fingerprint": fp, "params": asdict(cfg), "export_dir": str(export_dir), "steps": res["steps"],
+        "train_tokens": res["tokens"], "train_samples": res["samples"], "draft_vocab_size": res["vocab"].size,
+        "capture_layers": res["capture_layers"], "first": {"loss": first["loss"], "acc_k": first["acc_k"]},
+        "last": {"loss": last["loss"], "acc_k": last["acc_k"]}, "metrics": str(out / "metrics.jsonl"),
+        "plot": str(out / "training.png"), "seconds_this_run": round(res["seconds"], 1),
+    }
+    atomic_write_json(report_path, report)
+    return report
+
+
+@dataclass
+class EvalConfig:
+    export_dir: str
+    model_path: str
+    output_dir: str
+    prompts: list[str] = field(default_factory=list)  # held-out user prompts, or:
+    prompts_file: str = ""  # JSONL, one {"prompt": str} or {"messages": [...]} per line
+    k: int = 5
+    max_new_tokens: int = 64
+    max_prompts: int = 0  # 0 = all
+    random_floor: bool = True  # also evaluate a randomly initialised drafter of the same shape
+    seed: int = 0
+
+    def validate(self) -> "EvalConfig":
+        if isinstance(self.k, bool) or not isinstance(self.k, int) or not 1 <= self.k <= 32:
+            raise ConfigError(f"eval param k must be an int in 1..32, got {self.k!r}")
+        if not self.prompts and not self.prompts_file:
+            raise ConfigError("eval needs held-out prompts: give `prompts` or `prompts_file`")
+        return self
+
+
+def load_prompts(cfg: EvalConfig, tokenizer) -> list[list[int]]:
+    chats = [[{"role": "user", "content": p}] for p in cfg.prompts]
+    if cfg.prompts_file:
+        path = Path(cfg.prompts_file)
+        if not path.is_file():
+            raise ConfigError(f"eval param prompts_file: {path} does not exist")
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+                chats.append(obj["messages"] if "messages" in obj else [{"role": "user", "content": obj["prompt"]}])
+            except (json.JSONDecodeError, KeyError, TypeError) as e:
+                raise ConfigError(f"{path}:{n}: expected {{\"prompt\": str}} or {{\"messages\": [...]}}: {e}") from e
+    if cfg.max_prompts:
+        chats = chats[: cfg.max_prompts]
+    return [tokenizer.apply_chat_template(c, add_generation_prompt=True, return_dict=True)["input_ids"] for c in chats]
+
+
+def evaluate_phase(cfg: EvalConfig) -> dict:
+    from eagle3.models import load_model, load_tokenizer
+    from eagle3.train.model import Eagle3Drafter
+    from eagle3.train.speculative import evaluate
+
+    cfg.validate()
+    out = Path(cfg.output_dir)
+    report_path = out / "report.json"
+    export_cfg = Path(cfg.export_dir) / "config.json"
+    if not export_cfg.is_file():
+        raise PipelineError(f"eval param export_dir: {cfg.export_dir} holds no drafter export (no config.json)")
+    fp = fingerprint({**asdict(cfg), "export_sha256": sha256_file(Path(cfg.export_dir) / "model.safetensors")})
+    if report_path.is_file() and read_json(report_path).get("fingerprint") == fp:
+        return read_json(report_path)
+    drafter, vocab, config = load_exported(cfg.export_dir)
+    capture = config["eagle3_pipeline"]["capture_layers"]
+    tok = load_tokenizer(cfg.model_path)
+    target = load_model(cfg.model_path)
+    prompts = load_prompts(cfg, tok)
+    reports = {"trained": evaluate(target, drafter, vocab, capture, tok.eos_token_id, prompts, cfg.max_new_tokens, cfg.k)}
+    if cfg.random_floor:
+        torch.manual_seed(cfg.seed)
+        floor = Eagle3Drafter(drafter.cfg).eval()
+        reports["random_init"] = evaluate(target, floor, vocab, capture, tok.eos_token_id, prompts,
+                                          cfg.max_new_tokens, cfg.k, check_greedy=False)
+    out.mkdir(parents=True, exist_ok=True)
+    plot_acceptance(reports, out / "acceptance.png")
+    report = {"fingerprint": fp, "params": asdict(cfg), "tau": reports["trained"]["tau"],
+              "tau_random_init": reports.get("random_init", {}).get("tau"),
+              "identical_to_greedy": reports["trained"]["identical_to_greedy"], "results": reports,
+              "plot": str(out / "acceptance.png")}
+    atomic_write_json(report_path, report)
+    return report
