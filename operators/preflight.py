@@ -35,6 +35,10 @@ class PreflightOperator(BaseOperator):
             "device": report["device"],
             "gpus": len(report["gpu"]["gpus"]),
             "capture_layers": report["model"]["capture_layers"],
+            # model facts later tasks template in (merge's vocab check and size estimate)
+            "hidden_size": report["model"]["info"]["hidden_size"],
+            "vocab_size": report["model"]["info"]["vocab_size"],
+            "num_layers": report["model"]["info"]["num_layers"],
             "free_gb": round(report["disk"]["free_bytes"] / 1e9, 1),
             "report": f"{cfg.output_dir}/preflight.json",
         }

@@ -8,22 +8,28 @@ from airflow.sdk import BaseOperator
 class TrainDrafterOperator(BaseOperator):
     """Trains the EAGLE-3 drafter on extracted shards and exports it for SGLang (resumes after a kill)."""
 
-    template_fields: Sequence[str] = ("shard_dirs", "model_path", "output_dir", "params")
+    template_fields: Sequence[str] = ("shard_dirs", "model_path", "output_dir", "train_config", "train_overrides")
     ui_color = "#fde2c8"
 
-    def __init__(self, *, shard_dirs: Any, model_path: str, output_dir: str, params: Any = None, **kwargs):
+    def __init__(self, *, shard_dirs: Any, model_path: str, output_dir: str, train_config: Any = None,
+                 train_overrides: Any = None, **kwargs):
         super().__init__(**kwargs)
+        # shard folders, or the extract tasks' summaries ({"shard_dir": ...}, the mapped XCom)
         self.shard_dirs = shard_dirs
         self.model_path = model_path
         self.output_dir = output_dir
-        self.params = params or {}  # any eagle3.train.trainer.TrainConfig field (ttt_steps, lr, epochs...)
+        # TrainConfig fields (ttt_steps, lr, epochs...); overrides win (the UI's free-form object)
+        self.train_config = train_config or {}
+        self.train_overrides = train_overrides or {}
 
     def execute(self, context) -> dict:
         from eagle3.train.run import train_phase
         from eagle3.train.trainer import TrainConfig
 
-        cfg = TrainConfig(shard_dirs=[str(d) for d in self.shard_dirs], model_path=str(self.model_path),
-                          output_dir=str(self.output_dir), **dict(self.params))
+        shard_dirs = sorted(str(d["shard_dir"] if isinstance(d, dict) else d) for d in self.shard_dirs)
+        fields = {**dict(self.train_config), **dict(self.train_overrides)}
+        cfg = TrainConfig(shard_dirs=shard_dirs, model_path=str(self.model_path), output_dir=str(self.output_dir),
+                          **fields)
         r = train_phase(cfg)
         return {"export_dir": r["export_dir"], "steps": r["steps"], "train_tokens": r["train_tokens"],
                 "draft_vocab_size": r["draft_vocab_size"], "last_loss": round(r["last"]["loss"], 4),

@@ -1,8 +1,16 @@
-"""The DAG conf of the demo run: the small real model on the CPU, sizes that finish in minutes."""
+"""The DAG conf of the demo run: the real SmolLM2-135M-Instruct on the CPU, sized to finish in minutes.
+
+Data generation runs llama.cpp's OpenAI-compatible server on the model's GGUF as the local server.
+"""
 
 import argparse
 import json
+import sys
+from pathlib import Path
 
+from eagle3.models import find_smollm2_gguf
+
+REPO = Path(__file__).resolve().parents[1]
 p = argparse.ArgumentParser()
 p.add_argument("--model-path", required=True)
 p.add_argument("--output-root", required=True)
@@ -14,4 +22,23 @@ print(json.dumps({
     "run_name": a.run_name,
     "allow_cpu": True,
     "estimated_tokens": 100_000,
+    "datasets": [
+        {"name": "A1", "prompt_file": str(REPO / "data/demo/A1.jsonl"), "max_tokens": 200, "drop_truncated": False},
+        {"name": "B1", "prompt_file": str(REPO / "data/demo/B1.jsonl"), "max_tokens": 200, "drop_truncated": False},
+    ],
+    "datagen_mode": "local",
+    "server_command": f"{sys.executable} -m llama_cpp.server --model {{gguf}} --host {{host}} --port {{port}} "
+                      "--model_alias smollm2",
+    "gguf": str(find_smollm2_gguf()),
+    "served_model_name": "smollm2",
+    "datagen_client": {"concurrency": 4},
+    "num_shards": 2,
+    "token_budget": 4096,
+    "draft_vocab_size": 32000,
+    "epochs": 20,
+    "batch_size": 4,
+    "lr": 1e-3,
+    "eval_prompts_file": str(REPO / "data/demo/eval.jsonl"),
+    "eval_k": 3,
+    "eval_max_new_tokens": 32,
 }))

@@ -4,7 +4,7 @@
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
 cd "$ROOT"
-bash scripts/setup.sh
+bash scripts/setup.sh server
 model=$(python -m eagle3 prepare-model)
 export EAGLE3_OUTPUT_ROOT="${EAGLE3_OUTPUT_ROOT:-$ROOT/runs}"
 run_name="${EAGLE3_RUN_NAME:-demo}"

@@ -280,7 +280,7 @@ def test_train_operator_skips_a_finished_run(trained):
                                             "ttt_steps", "seed")}
     t = time.time()
     res = TrainDrafterOperator(task_id="train", shard_dirs=cfg.shard_dirs, model_path=cfg.model_path,
-                               output_dir=cfg.output_dir, params=params).execute({})
+                               output_dir=cfg.output_dir, train_config=params).execute({})
     assert time.time() - t < 5 and res["steps"] == 24 and res["export_dir"] == report["export_dir"]
     json.dumps(res)
 
