@@ -62,12 +62,8 @@ class ExtractShardOperator(BaseOperator):
         self.storage_dtype = storage_dtype
 
     def execute(self, context) -> dict:
-        import logging
-
         from eagle3.extract.extractor import ExtractConfig, extract_shard
 
-        # the core logs progress (tok/s, GB, ETA) through its own logger: route it into the task log
-        logging.getLogger("eagle3").setLevel(logging.INFO)
         cfg = ExtractConfig(
             model_path=str(self.model_path),
             extract_dir=str(self.extract_dir),

@@ -35,7 +35,7 @@ print(json.dumps({
     "num_shards": 2,
     "token_budget": 4096,
     "draft_vocab_size": 32000,
-    "epochs": 20,
+    "epochs": 8,
     "batch_size": 4,
     "lr": 1e-3,
     "eval_prompts_file": str(REPO / "data/demo/eval.jsonl"),

@@ -1,9 +1,9 @@
 """The DAG as users run it, against a real Airflow (Postgres metadata DB; LocalExecutor, then Celery + Redis).
 
-Until the real extraction tasks are wired into dags/eagle3_drafter.py these tests drive
-tests/dags/eagle3_shard_demo.py, which has the same shape (mapped shards on queue/pool "gpu",
-chunk-level resume, a downstream reader). To point them at the real DAG, set EAGLE3_IT_DAGS_FOLDER,
-EAGLE3_IT_DAG_ID and EAGLE3_IT_CONF (JSON) - see docs/operations.md.
+The LocalExecutor tests run the real eagle3_drafter DAG end to end on the real SmolLM2 (datagen through
+llama.cpp's server, merge, extraction shards, training, evaluation) at toy sizes. The Celery drill kills a
+GPU worker mid-shard, which needs shards that take seconds: it drives tests/dags/eagle3_shard_demo.py, the
+extraction part in miniature (same queue/pool, chunk format, committed-chunk resume and reader).
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 import time
 from urllib.parse import urlencode
 from datetime import datetime
@@ -23,15 +24,37 @@ from airflow_harness import AirflowCluster, ApiError, MetadataDB
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[1]
-DAGS = Path(os.environ.get("EAGLE3_IT_DAGS_FOLDER", ROOT / "tests" / "dags"))
-DAG_ID = os.environ.get("EAGLE3_IT_DAG_ID", "eagle3_shard_demo")
-EXTRA_CONF = json.loads(os.environ.get("EAGLE3_IT_CONF", "{}"))
-SHARD_TASK = os.environ.get("EAGLE3_IT_SHARD_TASK", "extract")
+DAGS = ROOT / "dags"
+DAG_ID = "eagle3_drafter"
+DEMO_DAGS = ROOT / "tests" / "dags"  # the Celery drill's miniature
+DEMO_DAG_ID = "eagle3_shard_demo"
+SHARD_TASK = "extract"
 ARTIFACTS = Path(os.environ.get("EAGLE3_TEST_ARTIFACTS", ROOT / "artifacts" / "tests"))
 
 
 def when(ts: str) -> float:
     return datetime.fromisoformat(ts.replace("Z", "+00:00")).timestamp()
+
+
+def real_conf(root: Path, run_name: str) -> dict:
+    """The real DAG at toy sizes: 2 datasets x 3 prompts, 3 shards of ~2 chunks each, a few training steps."""
+    from eagle3.models import ensure_smollm2, find_smollm2_gguf
+
+    eval_prompts = root / "eval.jsonl"
+    root.mkdir(parents=True, exist_ok=True)
+    eval_prompts.write_text(json.dumps({"prompt": "Name a color."}) + "\n")
+    datasets = [{"name": n, "prompt_file": str(ROOT / f"data/demo/{n}.jsonl"), "max_tokens": 40, "limit": 3,
+                 "drop_truncated": False} for n in ("A1", "B1")]
+    return {
+        "model_path": str(ensure_smollm2()), "output_root": str(root), "run_name": run_name, "allow_cpu": True,
+        "datasets": datasets, "datagen_mode": "local", "gguf": str(find_smollm2_gguf()),
+        "server_command": f"{sys.executable} -m llama_cpp.server --model {{gguf}} --host {{host}} --port {{port}} "
+                          "--model_alias smollm2",
+        "served_model_name": "smollm2", "datagen_client": {"concurrency": 2},
+        "num_shards": 3, "chunk_mb": 0.3, "token_budget": 2048,
+        "max_steps": 2, "batch_size": 2, "ttt_steps": 2, "train_overrides": {"checkpoint_every": 1},
+        "eval_prompts_file": str(eval_prompts), "eval_k": 2, "eval_max_new_tokens": 8,
+    }
 
 
 def shard_manifests(run_dir: Path) -> dict[int, dict]:
@@ -52,7 +75,7 @@ def local_airflow(metadata_db, tmp_path_factory):
     fault_once = work / "fault-fired"
     db = metadata_db.clone()
     cluster = AirflowCluster(db, work, executor="LocalExecutor", dags_folder=DAGS, pools={"gpu": 2},
-                             extra_env={"EAGLE3_INJECT_FAULT": f"shard=1,after_chunks=2,once_file={fault_once}",
+                             extra_env={"EAGLE3_INJECT_FAULT": f"shard=1,after_chunks=1,once_file={fault_once}",
                                         "EAGLE3_SHARD_RETRIES": "0",
                                         # the DAG's default output_root, used by the run triggered from the UI form
                                         "EAGLE3_OUTPUT_ROOT": str(work / "ui-runs")})
@@ -71,55 +94,66 @@ def test_bad_param_is_rejected_at_trigger_time(local_airflow):
     api = local_airflow.client()
     api.wait_dag(DAG_ID)
     with pytest.raises(ApiError) as e:
-        api.trigger(DAG_ID, conf={**EXTRA_CONF, "shards": 0})
+        api.trigger(DAG_ID, conf={"num_shards": 0})
     assert e.value.status_code == 400
     assert "0 is less than the minimum of 1" in e.value.body
     with pytest.raises(ApiError, match="does not match"):
-        api.trigger(DAG_ID, conf={**EXTRA_CONF, "run_name": "../escape"})
+        api.trigger(DAG_ID, conf={"run_name": "../escape"})
+    with pytest.raises(ApiError, match="prompt_file"):
+        api.trigger(DAG_ID, conf={"datasets": [{"name": "A1"}]})
 
 
 def test_failed_shard_is_cleared_alone_and_resumes(local_airflow, tmp_path):
+    """A shard fails (injected fault, as a GPU fault would), the user clears only that map index through the
+    REST API, it resumes from its committed chunk, training and evaluation follow, no other shard re-runs."""
     api = local_airflow.client()
     api.wait_dag(DAG_ID)
     api.unpause(DAG_ID)
-    conf = {**EXTRA_CONF, "output_root": str(tmp_path), "run_name": "local", "shards": 3, "rows": 18,
-            "samples_per_chunk": 2, "chunk_seconds": 0.2}
-    run_id = api.trigger(DAG_ID, conf=conf)["dag_run_id"]
+    run_dir = tmp_path / "local"
+    run_id = api.trigger(DAG_ID, conf=real_conf(tmp_path, "local"))["dag_run_id"]
 
-    # shard 1 fails after 2 committed chunks (this cluster runs shards without retries, so it stays failed)
-    failed = api.wait_task(DAG_ID, run_id, SHARD_TASK, 1, states=("failed",), timeout=120)
+    # shard 1 fails after 1 committed chunk (this cluster runs shards without retries, so it stays failed)
+    failed = api.wait_task(DAG_ID, run_id, SHARD_TASK, 1, states=("failed",), timeout=420)
     assert failed["try_number"] == 1 and local_airflow.fault_once.exists()
-    run = api.wait_run(DAG_ID, run_id, states=("failed",), timeout=120)
+    api.wait_run(DAG_ID, run_id, states=("failed",), timeout=180)
     states = api.task_states(DAG_ID, run_id)
     assert states[(SHARD_TASK, 0)] == states[(SHARD_TASK, 2)] == "success"
-    assert states[("verify", -1)] == "upstream_failed"
-    m = shard_manifests(tmp_path / "local")[1]
-    assert len(m["chunks"]) == 2 and not m["complete"]
+    assert states[("train", -1)] == states[("evaluate", -1)] == "upstream_failed"
+    m = shard_manifests(run_dir)[1]
+    assert len(m["chunks"]) == 1 and not m["complete"]
 
     api.clear_map_index(DAG_ID, run_id, SHARD_TASK, 1)
-    run = api.wait_run(DAG_ID, run_id, timeout=150)
+    run = api.wait_run(DAG_ID, run_id, timeout=420)
     assert run["state"] == "success", local_airflow.all_logs()
 
     tis = {(t["task_id"], t["map_index"]): t for t in api.task_instances(DAG_ID, run_id)}
-    assert all(t["state"] == "success" for t in tis.values())
-    # the other shards did not re-run; shard 1 ran again and resumed after its 2 committed chunks
-    assert tis[(SHARD_TASK, 0)]["try_number"] == tis[(SHARD_TASK, 2)]["try_number"] == 1
-    manifests = shard_manifests(tmp_path / "local")
-    assert [len(m["params"]["attempts"]) for m in manifests.values()] == [1, len(manifests[1]["params"]["attempts"]), 1]
-    assert manifests[1]["params"]["attempts"][-1]["resumed_chunks"] == 2
-    assert all(m["complete"] for m in manifests.values())
-    summary = api.xcom(DAG_ID, run_id, "verify")
-    summary = json.loads(summary) if isinstance(summary, str) else summary
-    assert summary["samples"] == 18 and summary["shards"] == 3
+    assert all(t["state"] == "success" for t in tis.values()), {k: t["state"] for k, t in tis.items()}
+    # nothing but shard 1 and what follows it ran twice
+    assert {k for k, t in tis.items() if t["try_number"] > 1} == {(SHARD_TASK, 1), ("train", -1), ("evaluate", -1)}
+    shard1 = api.xcom(DAG_ID, run_id, SHARD_TASK, map_index=1)
+    assert shard1["resumed_from_chunk"] == 1 and shard1["chunks"] >= 2
+    manifests = shard_manifests(run_dir)
+    assert sorted(manifests) == [0, 1, 2] and all(m["complete"] for m in manifests.values())
+    from eagle3.extract.reader import HiddenStateReader
+    from eagle3.merge import read_merged
+
+    reader = HiddenStateReader([run_dir / "extract" / f"shard-{i:05d}" for i in range(3)], verify=True)
+    merged = json.loads((run_dir / "merge" / "manifest.json").read_text())
+    assert reader.num_samples == merged["rows"] and reader.num_tokens == merged["tokens"]
+    assert sorted(s.row for s in reader) == list(range(merged["rows"]))  # every row once, none lost or doubled
+    evaluation = api.xcom(DAG_ID, run_id, "evaluate")
+    assert evaluation["identical_to_greedy"] is True and evaluation["tau"] >= 1.0
+    assert (run_dir / "train" / "export" / "config.json").is_file()
     local_airflow.finished_run = run_id
 
     # the plugin page, served by the running api-server, shows the three shards from their manifests
     page = api.session.get(f"{api.base_url}/eagle3/shards", params={"dag_id": DAG_ID, "run_id": run_id}, timeout=30)
     assert page.status_code == 200, page.text
     assert "3 shards: 3 complete, 0 in progress, 0 not" in page.text
-    assert page.text.count("<tr class='complete'") == 3 and str(tmp_path / "local" / "extract") in page.text
+    assert page.text.count("<tr class='complete'") == 3 and str(run_dir / "extract") in page.text
     data = api.get("/eagle3/api/shards", dag_id=DAG_ID, run_id=run_id)
-    assert [(s["shard"], s["chunks"], s["airflow"]["try_number"]) for s in data["shards"]] == [(0, 3, 1), (1, 3, 2), (2, 3, 1)]
+    assert [(s["shard"], s["chunks"]) for s in data["shards"]] == [(i, len(manifests[i]["chunks"])) for i in range(3)]
+    assert [s["airflow"]["try_number"] for s in data["shards"]] == [1, 2, 1]
     assert data["totals"]["tokens"] == sum(m["tokens"] for m in manifests.values())
     index = api.session.get(f"{api.base_url}/eagle3/", timeout=30)
     assert index.status_code == 200 and run_id in index.text  # Browse > EAGLE-3 runs lists the run
@@ -175,9 +209,9 @@ def test_browser_login_trigger_form_and_plugin_page(local_airflow, browser, tmp_
     run_id = getattr(local_airflow, "finished_run", None)  # the backfill test's run, when it ran first
     if run_id is None:
         api.unpause(DAG_ID)
-        run_id = api.trigger(DAG_ID, conf={**EXTRA_CONF, "output_root": str(tmp_path), "run_name": "ui",
-                                           "shards": 3, "rows": 9, "chunk_seconds": 0})["dag_run_id"]
-        assert api.wait_run(DAG_ID, run_id, timeout=120)["state"] == "success"
+        local_airflow.fault_once.touch()  # no injected failure in this run
+        run_id = api.trigger(DAG_ID, conf=real_conf(tmp_path, "ui"))["dag_run_id"]
+        assert api.wait_run(DAG_ID, run_id, timeout=600)["state"] == "success"
     base = local_airflow.base_url
 
     # log in through the Simple auth manager's form
@@ -197,10 +231,11 @@ def test_browser_login_trigger_form_and_plugin_page(local_airflow, browser, tmp_
     # the DAG page and its trigger form (built from the DAG's params)
     browser.get(f"{base}/dags/{DAG_ID}")
     wait_for(browser, "button", visible_text="Trigger").click()
-    dialog = wait_for(browser, "[role=dialog]", visible_text="shards")
+    dialog = wait_for(browser, "[role=dialog]", visible_text="num_shards")
     time.sleep(1)
     browser.save_screenshot(str(out / "02-trigger-form.png"))
-    for name in ("output_root", "run_name", "shards", "chunk_seconds", "Number of extraction shards."):
+    for name in ("model_path", "output_root", "run_name", "datasets", "num_shards", "capture_layers",
+                 "Extraction shards (one GPU task each); balanced by tokens."):
         assert name in dialog.text, name
     # submit the form with its defaults: a run must start, with the DAG's default params
     before = {r["dag_run_id"] for r in api.get(f"/api/v2/dags/{DAG_ID}/dagRuns")["dag_runs"]}
@@ -214,7 +249,7 @@ def test_browser_login_trigger_form_and_plugin_page(local_airflow, browser, tmp_
         if new:
             break
         time.sleep(0.5)
-    assert new and new[0]["conf"].get("shards", 3) == 3, new
+    assert new and new[0]["conf"].get("num_shards", 4) == 4, new
     browser.save_screenshot(str(out / "02b-after-trigger.png"))
 
     # the plugin's shard view inside the UI (run page entry), then the page itself
@@ -235,7 +270,7 @@ def test_browser_login_trigger_form_and_plugin_page(local_airflow, browser, tmp_
 def celery_airflow(metadata_db, tmp_path_factory):
     work = tmp_path_factory.mktemp("af-celery")
     db = metadata_db.clone()
-    cluster = AirflowCluster(db, work, executor="CeleryExecutor", dags_folder=DAGS, pools={"gpu": 2},
+    cluster = AirflowCluster(db, work, executor="CeleryExecutor", dags_folder=DEMO_DAGS, pools={"gpu": 2},
                              extra_env={"EAGLE3_SHARD_RETRIES": "2"})
     try:
         with cluster:
@@ -255,11 +290,11 @@ GPU_WORKER_ENV = {"EAGLE3_PIN_GPUS": "1", "EAGLE3_GPUS": "0,1"}  # no GPU here: 
 def test_celery_gpu_queue_concurrency_and_worker_kill(celery_airflow, tmp_path):
     af = celery_airflow
     api = af.client()
-    api.wait_dag(DAG_ID)
-    api.unpause(DAG_ID)
-    conf = {**EXTRA_CONF, "output_root": str(tmp_path), "run_name": "celery", "shards": 4, "rows": 32,
+    api.wait_dag(DEMO_DAG_ID)
+    api.unpause(DEMO_DAG_ID)
+    conf = {"output_root": str(tmp_path), "run_name": "celery", "shards": 4, "rows": 32,
             "samples_per_chunk": 2, "chunk_seconds": 1.0}
-    run_id = api.trigger(DAG_ID, conf=conf)["dag_run_id"]
+    run_id = api.trigger(DEMO_DAG_ID, conf=conf)["dag_run_id"]
     extract_dir = tmp_path / "celery" / "extract"
 
     # wait until a shard has committed a chunk but is not finished, then take the gpu worker down hard
@@ -282,10 +317,10 @@ def test_celery_gpu_queue_concurrency_and_worker_kill(celery_airflow, tmp_path):
     assert after == at_kill, (at_kill, after)
     af.start_worker("gpu-worker", queues="gpu", concurrency=2, extra_env=GPU_WORKER_ENV)
 
-    run = api.wait_run(DAG_ID, run_id, timeout=240)
+    run = api.wait_run(DEMO_DAG_ID, run_id, timeout=240)
     assert run["state"] == "success", af.all_logs()
 
-    tis = api.task_instances(DAG_ID, run_id)
+    tis = api.task_instances(DEMO_DAG_ID, run_id)
     shards = [t for t in tis if t["task_id"] == SHARD_TASK]
     assert len(shards) == 4
     # shards ran only on the gpu worker, through the gpu queue and pool; the rest on the default worker
@@ -317,6 +352,6 @@ def test_celery_gpu_queue_concurrency_and_worker_kill(celery_airflow, tmp_path):
         assert m["complete"] and len(m["chunks"]) == 4
         rows = [r for c in m["chunks"] for r in range(c["first_row"], c["last_row"] + 1)]
         assert rows == list(range(8 * i, 8 * i + 8))
-    summary = api.xcom(DAG_ID, run_id, "verify")
+    summary = api.xcom(DEMO_DAG_ID, run_id, "verify")
     summary = json.loads(summary) if isinstance(summary, str) else summary
     assert summary["samples"] == 32

@@ -66,7 +66,8 @@ class TrainConfig:
     seed: int = 0
     device: str = "auto"  # auto = cuda if available
     init_lm_head_from_target: bool = True
-    log_every: int = 1
+    log_every: int = 1  # metrics.jsonl line every N optimizer steps
+    log_every_s: float = 10.0  # progress line in the task log at most this often
     compile: bool = True  # torch.compile the TTT loss on GPU (2x faster at 8B shape, see docs/benchmarks.md)
     pad_multiple: int = 256  # on GPU, pad batches to a multiple of this so compiled shapes are few
     stop_after_steps: int = 0  # testing hook: exit cleanly after this many steps (no export)
@@ -95,7 +96,7 @@ class TrainConfig:
 
     def fingerprint(self) -> str:
         d = asdict(self)
-        for k in ("stop_after_steps", "device", "log_every", "checkpoint_every", "keep_checkpoints", "compile"):
+        for k in ("stop_after_steps", "device", "log_every", "log_every_s", "checkpoint_every", "keep_checkpoints", "compile"):
             d.pop(k)  # these do not change the result
         return fingerprint(d)
 
@@ -374,6 +375,7 @@ def train(cfg: TrainConfig) -> dict:
 
     stream = micro_batches()
     drafter.train()
+    start_step, last_log = step, time.time()
     with open(metrics_path, "a") as mf:
         while step < total_steps:
             opt.zero_grad(set_to_none=True)
@@ -401,6 +403,13 @@ def train(cfg: TrainConfig) -> dict:
                 }
                 mf.write(json.dumps(rec) + "\n")
                 mf.flush()
+            now = time.time()
+            if now - last_log >= cfg.log_every_s or step == total_steps:  # the task log: progress, rate, ETA
+                last_log = now
+                rate = (step - start_step) / max(1e-9, now - t_start)
+                log.info("step %d/%d  loss %.4f  acc@k0 %.3f  %.0f tok/s  ETA %.0f s", step, total_steps, loss_total,
+                         float(sums[0, 1] / sums[0, 2].clamp(min=1)), tokens_done / max(1e-9, now - t_start),
+                         (total_steps - step) / max(rate, 1e-9))
             if step % cfg.checkpoint_every == 0 or step == total_steps:
                 save_checkpoint(ckpt_dir, step, {
                     "model": drafter.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
