@@ -38,6 +38,7 @@ def main() -> None:
     ap.add_argument("--epochs", type=int, default=3)
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--eval-new-tokens", type=int, default=64)
+    ap.add_argument("--batch-size", type=int, default=4)
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     out = Path(args.out)
@@ -46,13 +47,14 @@ def main() -> None:
     times = {}
 
     samples_path = out / "samples.jsonl"
-    if not samples_path.is_file():
+    samples = [json.loads(ln) for ln in samples_path.read_text().splitlines()] if samples_path.is_file() else []
+    if len(samples) < args.prompts:  # answers of a smaller earlier run are reused: make_prompts(n) is a prefix
         t = time.time()
         model, tok = load_model(path), load_tokenizer(path)
-        samples = sd.generate_answers(model, tok, sd.make_prompts(args.prompts), args.new_tokens, batch_size=32)
+        samples += sd.generate_answers(model, tok, sd.make_prompts(args.prompts)[len(samples):], args.new_tokens,
+                                       batch_size=32)
         samples_path.write_text("".join(json.dumps(s) + "\n" for s in samples))
         times["generate_s"] = time.time() - t
-    samples = [json.loads(ln) for ln in samples_path.read_text().splitlines()]
     shards = out / "shards"
     if not (shards / "shard-00001" / "manifest.json").is_file():
         t = time.time()
@@ -63,7 +65,7 @@ def main() -> None:
     t = time.time()
     train = train_phase(TrainConfig(
         shard_dirs=[str(shards / "shard-00000"), str(shards / "shard-00001")], model_path=str(path),
-        output_dir=str(out / "train"), batch_size=4, epochs=args.epochs, lr=args.lr, warmup_ratio=0.05,
+        output_dir=str(out / "train"), batch_size=args.batch_size, epochs=args.epochs, lr=args.lr, warmup_ratio=0.05,
         checkpoint_every=50, ttt_steps=7, max_seq_len=512))
     times["train_s"] = time.time() - t
     t = time.time()
