@@ -36,6 +36,7 @@ GPU_POOL = "gpu"  # one slot per GPU: at most that many GPU tasks at once
 # on purpose and clear it by hand set 0 so the failure stays visible.
 SHARD_RETRIES = int(os.environ.get("EAGLE3_SHARD_RETRIES", "3"))
 
+# Optional text params default to None, not "": the UI trigger form treats "" as a missing value.
 # One folder per run: the user's run_name if given, else the Airflow run id made path-safe.
 RUN_DIR = (
     "{{ params.output_root }}/"
@@ -83,15 +84,15 @@ PARAMS = {
         description="Prompt datasets, one generation task each (fields: docs/datagen.md)."),
     "datagen_mode": Param("local", enum=["local", "remote"], section="Data generation",
                           description="local: the task starts server_command; remote: the endpoint of datagen_conn_id."),
-    "datagen_conn_id": Param("", type="string", section="Data generation",
+    "datagen_conn_id": Param(None, type=["null", "string"], section="Data generation",
                              description="Airflow Connection holding the endpoint URL and API key (remote mode)."),
     "served_model_name": Param("default", type="string", minLength=1, section="Data generation",
                                description="Model name sent in each request (what the endpoint serves)."),
-    "server_command": Param("", type="string", section="Data generation",
+    "server_command": Param(None, type=["null", "string"], section="Data generation",
                             description="Local server command ({model_path} {port} {host} {gguf}); empty = SGLang."),
-    "server_extra_args": Param("", type="string", section="Data generation",
+    "server_extra_args": Param(None, type=["null", "string"], section="Data generation",
                                description="Extra flags for the local server, e.g. '--tp 8'."),
-    "gguf": Param("", type="string", section="Data generation",
+    "gguf": Param(None, type=["null", "string"], section="Data generation",
                   description="GGUF file for servers that take one ({gguf} in server_command)."),
     "datagen_client": Param({"concurrency": 256, "max_failed_fraction": 0.01}, type="object",
                             section="Data generation",
