@@ -519,6 +519,11 @@ class ShardExtractor:
             if self._error is not None:
                 return  # the file stays uncommitted: a re-run overwrites it
             self.manifest.chunks.append(rec)
+            # progress for the shard view (eagle3.monitor): this attempt's rate and its last commit
+            run_tokens = self._progress["run_tokens"] + rec.tokens
+            self.manifest.params["updated_at"] = time.time()
+            self.manifest.params["tokens_per_s"] = round(
+                run_tokens / max(time.perf_counter() - self._progress["t0"], 1e-9), 1)
             self.manifest.save(self.shard_dir)
             self._next_commit += 1
             self._progress["tokens"] += rec.tokens
