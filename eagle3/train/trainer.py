@@ -361,7 +361,20 @@ def train(cfg: TrainConfig) -> dict:
 
     on_gpu = device.type == "cuda"
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if on_gpu else torch.autocast("cpu", enabled=False)
-    loss_fn = torch.compile(ttt_loss) if (cfg.compile and on_gpu) else ttt_loss
+    # Static shapes: batches are padded to a multiple of pad_multiple, so few graphs are compiled.
+    compiled = torch.compile(ttt_loss, dynamic=False) if (cfg.compile and on_gpu) else None
+
+    def loss_fn(*args):
+        nonlocal compiled
+        if compiled is not None:
+            try:
+                return compiled(*args)
+            except Exception as e:  # noqa: BLE001 - a compiler bug must not end a long run: go on eagerly
+                log.warning("torch.compile of the TTT loss failed (%s: %s); continuing in eager mode",
+                            type(e).__name__, str(e).strip().splitlines()[-1][:300] if str(e).strip() else "")
+                compiled = None
+                torch._dynamo.reset()
+        return ttt_loss(*args)
     pad_multiple = cfg.pad_multiple if on_gpu else 1
     t_start, tokens_done = time.time(), 0
 
