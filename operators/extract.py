@@ -1,16 +1,10 @@
 from __future__ import annotations
 
-import ast
 from typing import Any, Sequence
 
 from airflow.sdk import BaseOperator
 
-
-def _rendered(value: Any) -> Any:
-    """A templated list/dict arrives as its string form ("[2, 15, 27]", "{'shard': 0, ...}"): parse it back."""
-    if isinstance(value, str) and value.strip()[:1] in ("[", "{"):
-        return ast.literal_eval(value.strip())
-    return value
+from operators._render import rendered
 
 
 class PlanShardsOperator(BaseOperator):
@@ -67,7 +61,7 @@ class ExtractShardOperator(BaseOperator):
         cfg = ExtractConfig(
             model_path=str(self.model_path),
             extract_dir=str(self.extract_dir),
-            capture_layers=[int(x) for x in _rendered(self.capture_layers)] if self.capture_layers else None,
+            capture_layers=[int(x) for x in rendered(self.capture_layers)] if self.capture_layers else None,
             dtype=str(self.dtype),
             token_budget=int(self.token_budget),
             chunk_mb=float(self.chunk_mb),
@@ -75,7 +69,7 @@ class ExtractShardOperator(BaseOperator):
             writer_threads=int(self.writer_threads),
             storage_dtype=str(self.storage_dtype),
         )
-        out = extract_shard(cfg, dict(_rendered(self.shard)))
+        out = extract_shard(cfg, dict(rendered(self.shard)))
         self.log.info("shard %d: %d chunks, %d tokens, %.2f GB, %.0f tok/s%s", out["shard"], out["chunks"],
                       out["tokens"], out["bytes"] / 1e9, out["tok_per_s"], " (already complete)" if out["skipped"] else "")
         return {k: out[k] for k in ("shard", "shard_dir", "chunks", "tokens", "samples", "bytes", "tok_per_s",

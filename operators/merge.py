@@ -1,9 +1,10 @@
 from __future__ import annotations
 
-import json
 from typing import Any, Sequence
 
 from airflow.sdk import BaseOperator
+
+from operators._render import rendered
 
 
 class MergeOperator(BaseOperator):
@@ -41,10 +42,9 @@ class MergeOperator(BaseOperator):
         from eagle3.merge import MergeConfig, run_merge
 
         def as_list(v):
-            # a templated field renders to a string unless the DAG renders native objects: accept both
+            v = rendered(v)
             if isinstance(v, str):
-                v = v.strip()
-                return json.loads(v) if v.startswith("[") else [v] if v else []
+                return [v.strip()] if v.strip() else []
             return [str(x) for x in v] if v else []
 
         def opt_int(v):

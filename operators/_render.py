@@ -1,0 +1,17 @@
+"""Templated values as operators receive them.
+
+The DAG renders templates to native objects, but an operator used in a DAG that does not (or called
+with a rendered string by hand) gets a list/dict as its string form: parse it back, once, here.
+"""
+
+from __future__ import annotations
+
+import ast
+from typing import Any
+
+
+def rendered(value: Any) -> Any:
+    """A list/dict that arrives as its string form ("[2, 15, 27]", "{'shard': 0, ...}") parsed back."""
+    if isinstance(value, str) and value.strip()[:1] in ("[", "{"):
+        return ast.literal_eval(value.strip())
+    return value
