@@ -37,12 +37,12 @@ class ExtractShardOperator(BaseOperator):
     """
 
     template_fields: Sequence[str] = ("shard", "model_path", "extract_dir", "capture_layers", "dtype",
-                                      "token_budget", "chunk_mb", "device", "writer_threads", "storage_dtype")
+                                      "token_budget", "chunk_mb", "device", "writer_threads", "storage_dtype", "compile")
     ui_color = "#f9d9d9"
 
     def __init__(self, *, shard: Any, model_path: str, extract_dir: str, capture_layers: Any = None,
                  dtype: str = "auto", token_budget: Any = 16384, chunk_mb: Any = 1024, device: str = "auto",
-                 writer_threads: Any = 6, storage_dtype: str = "auto", **kwargs):
+                 writer_threads: Any = 6, storage_dtype: str = "auto", compile: Any = "auto", **kwargs):
         super().__init__(**kwargs)
         self.shard = shard
         self.model_path = model_path
@@ -54,6 +54,7 @@ class ExtractShardOperator(BaseOperator):
         self.device = device
         self.writer_threads = writer_threads
         self.storage_dtype = storage_dtype
+        self.compile = compile
 
     def execute(self, context) -> dict:
         from eagle3.extract.extractor import ExtractConfig, extract_shard
@@ -68,6 +69,7 @@ class ExtractShardOperator(BaseOperator):
             device=str(self.device),
             writer_threads=int(self.writer_threads),
             storage_dtype=str(self.storage_dtype),
+            compile=self.compile if isinstance(self.compile, bool) else str(self.compile),
         )
         out = extract_shard(cfg, dict(rendered(self.shard)))
         self.log.info("shard %d: %d chunks, %d tokens, %.2f GB, %.0f tok/s%s", out["shard"], out["chunks"],

@@ -229,3 +229,31 @@ def test_fp8_storage_halves_bytes_and_stays_close(batched, spec, smollm2_path, r
         for got, ref in ((s.aux_hidden.float(), aux), (s.final_hidden.float(), final)):
             rel = (got - ref).norm() / ref.norm()
             assert rel < 0.05, rel  # e4m3 has a 3-bit mantissa: ~2-3% relative error
+
+
+@pytest.mark.slow
+def test_compiled_backend_equals_eager_and_compiles_once_for_all_layers(dataset, spec, smollm2_path, reference,
+                                                                        tmp_path):
+    """compile=True (regional torch.compile of every decoder layer, dynamic batch and length) gives the eager
+    states, keeps the capture hooks working, and builds one graph for the 30 layers, not one per layer or shape."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    out = extract_shard(config(smollm2_path, tmp_path, compile=True), spec)
+    assert out["complete"] and out["tokens"] == spec.tokens
+    got = {s.row: s for s in HiddenStateReader([Path(out["shard_dir"])], verify=True)}
+    for row, (aux, final) in enumerate(reference):
+        torch.testing.assert_close(got[row].aux_hidden, aux, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(got[row].final_hidden, final, rtol=1e-4, atol=1e-4)
+    # graphs: the layer (traced for the first shape, then once more with dynamic sizes at most) + the norm
+    assert 2 <= counters["stats"]["unique_graphs"] <= 4, dict(counters["stats"])
+
+
+def test_compile_param_resolves_per_device_and_rejects_junk(tmp_path):
+    base = dict(model_path="m", extract_dir=str(tmp_path))
+    assert ExtractConfig(**base, device="cpu").resolved().compile is False
+    assert ExtractConfig(**base, device="cuda").resolved().compile is True
+    assert ExtractConfig(**base, device="cuda", compile="False").resolved().compile is False  # a rendered template
+    with pytest.raises(ConfigError, match="compile must be true, false or 'auto', got 'maybe'"):
+        ExtractConfig(**base, device="cpu", compile="maybe").resolved()

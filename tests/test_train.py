@@ -92,6 +92,33 @@ def test_loss_mask_is_shifted_with_the_targets():
         assert changed == (pos == j - 1), pos
 
 
+def test_padded_batches_on_gpu_buckets_do_not_change_the_loss():
+    """The GPU path pads every micro-batch to batch_size rows and a power-of-two length bucket (few compiled
+    shapes); pad rows and columns carry loss_mask 0, so loss and per-step stats equal the unpadded batch's."""
+    from eagle3.train.trainer import bucket_length, collate, ttt_loss
+
+    assert [bucket_length(n, 2048, 256) for n in (1, 256, 257, 700, 1500, 5000)] == [256, 256, 512, 1024, 2048, 2048]
+    assert bucket_length(700, 600, 256) == 600 and bucket_length(37, 2048, 1) == 37
+    torch.manual_seed(0)
+    cfg = DrafterConfig(32, 64, 2, 1, 16, draft_vocab_size=20, target_vocab_size=40)
+    d = Eagle3Drafter(cfg)
+    embed, head = torch.randn(40, 32), torch.randn(20, 32)
+
+    def sample(n):
+        return {"input_ids": torch.randint(0, 40, (n,)), "loss_mask": (torch.arange(n) >= n // 3).to(torch.uint8),
+                "aux_hidden": torch.randn(n, 96), "final_hidden": torch.randn(n, 32)}
+
+    samples = [sample(11), sample(7)]
+    plain = collate(samples, 64, 1, 0)
+    padded = collate(samples, 64, 8, rows=4)
+    assert plain["input_ids"].shape == (2, 11) and padded["input_ids"].shape == (4, 16)
+    assert int(padded["loss_mask"].sum()) == int(plain["loss_mask"].sum())
+    loss_a, stats_a = ttt_loss(d, plain, embed, head, 3, 0.8)
+    loss_b, stats_b = ttt_loss(d, padded, embed, head, 3, 0.8)
+    torch.testing.assert_close(loss_b, loss_a, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(stats_b, stats_a, atol=1e-4, rtol=1e-5)
+
+
 # ------------------------------------------------------------------ real extracted states
 
 
@@ -269,6 +296,37 @@ def test_speculative_decoding_is_lossless_and_reports_acceptance(trained, smollm
     op = EvaluateDrafterOperator(task_id="evaluate", export_dir=cfg.export_dir, model_path=cfg.model_path,
                                  output_dir=cfg.output_dir, prompts=prompts, k=3, max_new_tokens=24, random_floor=False)
     assert op.execute({})["tau"] == round(r["tau"], 3)
+
+
+@pytest.mark.slow
+def test_evaluation_writes_its_report_then_fails_when_not_lossless(trained, smollm2_path, tmp_path, monkeypatch):
+    """A speculative output that differs from greedy decoding fails the phase, naming the prompts, after
+    every prompt ran and the report (with the mismatches) was written for inspection; no report.json that a
+    re-run would take as done."""
+    from eagle3.train import speculative
+    from eagle3.train.run import EvalConfig, evaluate_phase
+    from eagle3.train.selfdistill import make_prompts
+
+    real_greedy = speculative.SpeculativeDecoder.greedy
+
+    def wrong_on_second(self, prompt_ids, max_new_tokens):
+        out = real_greedy(self, prompt_ids, max_new_tokens)
+        return out[:3] + [out[3] + 1] + out[4:] if prompt_ids == second else out
+
+    tok = __import__("eagle3.models", fromlist=["load_tokenizer"]).load_tokenizer(smollm2_path)
+    prompts = make_prompts(2, offset=300)
+    second = tok.apply_chat_template([{"role": "user", "content": prompts[1]}], add_generation_prompt=True,
+                                     return_dict=True)["input_ids"]
+    monkeypatch.setattr(speculative.SpeculativeDecoder, "greedy", wrong_on_second)
+    _, report = trained
+    cfg = EvalConfig(export_dir=report["export_dir"], model_path=str(smollm2_path), output_dir=str(tmp_path),
+                     prompts=prompts, k=3, max_new_tokens=12, random_floor=False)
+    with pytest.raises(PipelineError, match=r"not lossless\) on 1 of 2 prompts.*'prompt': 1, 'first_difference': 3"):
+        evaluate_phase(cfg)
+    failed = json.loads((tmp_path / "report.failed.json").read_text())
+    assert failed["fingerprint"] is None and failed["identical_to_greedy"] is False
+    assert [p["identical_to_greedy"] for p in failed["results"]["trained"]["per_prompt"]] == [True, False]
+    assert not (tmp_path / "report.json").exists()
 
 
 @pytest.mark.slow

@@ -51,9 +51,10 @@ class HFBackend:
     fused causal path.
     """
 
-    def __init__(self, model=None, info: ModelInfo | None = None):
+    def __init__(self, model=None, info: ModelInfo | None = None, compile: bool = False):
         self.model = model  # a preloaded *ForCausalLM (the benchmark builds random-weight ones)
         self.info = info
+        self.compile = compile
         self._captured: dict[int, torch.Tensor] = {}
         self._hooks = []
 
@@ -87,10 +88,22 @@ class HFBackend:
         for h in self._hooks:
             h.remove()
         self._hooks = []
+        if self.compile:
+            self._compile(layers)
         # hidden_states[i] is the output of layer i-1 (index 0: the embedding output)
         for i in sorted(set(capture_layers)):
             module = self.base.embed_tokens if i == 0 else layers[i - 1]
             self._hooks.append(module.register_forward_hook(self._make_hook(i)))
+
+    def _compile(self, layers) -> None:
+        """Regional compilation: each decoder layer's forward (and the final norm) is compiled, with
+        dynamic batch and length, fusing the elementwise work eager mode runs as separate kernels
+        (RMSNorm's fp32 upcast, RoPE, SiLU x up, residual adds). The layers share one code object, so
+        one graph serves them all; the capture hooks stay outside the compiled region."""
+        for module in [*layers, self.base.norm]:
+            if not getattr(module, "_eagle3_compiled", False):
+                module.forward = torch.compile(module.forward, dynamic=True)
+                module._eagle3_compiled = True
 
     def _make_hook(self, index: int):
         def hook(module, args, output):

@@ -65,6 +65,9 @@ class ExtractConfig:
     verify_existing: bool = False  # re-hash committed chunks on resume / finished re-run
     log_every_s: float = 30.0
     memory_headroom: float = 0.9  # the budget's estimated memory must fit this fraction of what is free
+    # torch.compile each decoder layer (HF backend): auto = on GPU (1.3-1.5x on the H200, docs/benchmarks.md;
+    # the first batch pays 13-25 s of compilation), off on CPU
+    compile: bool | str = "auto"
 
     def resolved(self) -> "ExtractConfig":
         c = ExtractConfig(**asdict(self))
@@ -72,6 +75,13 @@ class ExtractConfig:
             c.device = "cuda" if torch.cuda.is_available() else "cpu"
         if c.dtype == "auto":
             c.dtype = "bfloat16" if c.device.startswith("cuda") else "float32"
+        if c.compile == "auto":
+            c.compile = c.device.startswith("cuda")
+        elif not isinstance(c.compile, bool):
+            low = str(c.compile).lower()
+            if low not in ("true", "false"):
+                raise ConfigError(f"compile must be true, false or 'auto', got {c.compile!r}")
+            c.compile = low == "true"
         if c.storage_dtype == "auto":
             c.storage_dtype = c.dtype
         if c.storage_dtype not in STORAGE_DTYPES:
@@ -357,7 +367,7 @@ class ShardExtractor:
 
     def _load_backend(self):
         if self.backend is None:
-            self.backend = HFBackend(info=self.info)
+            self.backend = HFBackend(info=self.info, compile=self.cfg.compile)
         self.backend.load(self.cfg.model_path, self.cfg.dtype, self.cfg.device, self.capture_layers)
         return self.backend
 

@@ -19,7 +19,7 @@ import torch
 from eagle3.errors import ConfigError, PipelineError
 from eagle3.io import atomic_path, atomic_write_json, fingerprint, read_json, sha256_file
 from eagle3.train.export import export_drafter, load_exported
-from eagle3.train.trainer import TrainConfig, read_metrics, train
+from eagle3.train.trainer import TrainConfig, pick_device, read_metrics, train
 
 log = logging.getLogger(__name__)
 
@@ -104,7 +104,9 @@ class EvalConfig:
     max_new_tokens: int = 64
     max_prompts: int = 0  # 0 = all
     random_floor: bool = True  # also evaluate a randomly initialised drafter of the same shape
+    floor_max_prompts: int = 0  # the floor on the first N prompts only (0 = all): it accepts ~nothing, so it is slow
     seed: int = 0
+    device: str = "auto"  # auto = cuda if available; the target runs in fp32 there too (exact greedy reference)
 
     def validate(self) -> "EvalConfig":
         if isinstance(self.k, bool) or not isinstance(self.k, int) or not 1 <= self.k <= 32:
@@ -147,22 +149,31 @@ def evaluate_phase(cfg: EvalConfig) -> dict:
     fp = fingerprint({**asdict(cfg), "export_sha256": sha256_file(Path(cfg.export_dir) / "model.safetensors")})
     if report_path.is_file() and read_json(report_path).get("fingerprint") == fp:
         return read_json(report_path)
+    device = pick_device(cfg.device)
     drafter, vocab, config = load_exported(cfg.export_dir)
+    drafter.to(device)
     capture = config["eagle3_pipeline"]["capture_layers"]
     tok = load_tokenizer(cfg.model_path)
-    target = load_model(cfg.model_path)
+    target = load_model(cfg.model_path, device=str(device))
     prompts = load_prompts(cfg, tok)
     reports = {"trained": evaluate(target, drafter, vocab, capture, tok.eos_token_id, prompts, cfg.max_new_tokens, cfg.k)}
     if cfg.random_floor:
         torch.manual_seed(cfg.seed)
-        floor = Eagle3Drafter(drafter.cfg).eval()
-        reports["random_init"] = evaluate(target, floor, vocab, capture, tok.eos_token_id, prompts,
-                                          cfg.max_new_tokens, cfg.k, check_greedy=False)
+        floor = Eagle3Drafter(drafter.cfg).eval().to(device)
+        reports["random_init"] = evaluate(target, floor, vocab, capture, tok.eos_token_id,
+                                          prompts[: cfg.floor_max_prompts or None], cfg.max_new_tokens, cfg.k,
+                                          check_greedy=False)
     out.mkdir(parents=True, exist_ok=True)
     plot_acceptance(reports, out / "acceptance.png")
-    report = {"fingerprint": fp, "params": asdict(cfg), "tau": reports["trained"]["tau"],
+    trained = reports["trained"]
+    report = {"fingerprint": fp, "params": asdict(cfg), "device": str(device), "tau": trained["tau"],
               "tau_random_init": reports.get("random_init", {}).get("tau"),
-              "identical_to_greedy": reports["trained"]["identical_to_greedy"], "results": reports,
+              "identical_to_greedy": trained["identical_to_greedy"], "results": reports,
               "plot": str(out / "acceptance.png")}
+    if trained["mismatches"]:  # the report stays beside the failure for inspection, without a fingerprint
+        atomic_write_json(out / "report.failed.json", {**report, "fingerprint": None})
+        raise PipelineError(f"speculative output differs from greedy decoding (not lossless) on "
+                            f"{len(trained['mismatches'])} of {trained['prompts']} prompts: "
+                            f"{trained['mismatches'][:5]}; report: {out / 'report.failed.json'}")
     atomic_write_json(report_path, report)
     return report

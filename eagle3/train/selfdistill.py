@@ -1,8 +1,9 @@
-"""Small self-distillation datasets on one machine: the target answers prompts greedily (batched HF
-generate), the answers are tokenized as chats and the reference extractor writes real shards.
+"""Self-distillation datasets on one machine: the target answers prompts greedily (batched HF generate,
+on the model's device), the answers are tokenized as chats and the reference extractor writes real shards.
 
-Used by the tests and by the CPU quality run; the pipeline proper gets its data from the datagen,
-merge and extraction phases. Same on-disk format as the fast extractor (eagle3/extract/format.py).
+Used by the tests and by the quality benchmarks (bench/train_quality_{cpu,gpu}.py); the pipeline proper
+gets its data from the datagen, merge and extraction phases. Same on-disk format as the fast extractor
+(eagle3/extract/format.py).
 """
 
 from __future__ import annotations
@@ -17,15 +18,66 @@ from eagle3.extract.reference import reference_states
 
 log = logging.getLogger(__name__)
 
-TOPICS = ["the moon", "rain", "bread", "a river", "the ocean", "volcanoes", "bees", "chess", "the piano", "coffee",
-          "trains", "winter", "a library", "mountains", "cats", "photosynthesis", "the internet", "gravity",
-          "a bicycle", "friendship", "the desert", "tea", "clouds", "electricity", "birds", "a garden", "snow",
-          "the sun", "maps", "robots", "football", "music", "a forest", "honey", "money", "a city", "sleep",
-          "the brain", "glass", "wind", "stars", "a castle", "dinosaurs", "fire", "paper", "the heart", "time",
-          "soap", "a bridge", "recycling", "airplanes", "cheese", "a lighthouse", "whales", "the alphabet"]
+# Prompt space for self-distillation: topics x task templates (19,536 distinct prompts). Held-out
+# evaluation prompts are other (topic, template) pairs from the same space: new combinations, same kind.
+TOPICS = """the moon|rain|bread|a river|the ocean|volcanoes|bees|chess|the piano|coffee|trains|winter|a library|
+mountains|cats|photosynthesis|the internet|gravity|a bicycle|friendship|the desert|tea|clouds|electricity|birds|
+a garden|snow|the sun|maps|robots|football|music|a forest|honey|money|a city|sleep|the brain|glass|wind|stars|
+a castle|dinosaurs|fire|paper|the heart|time|soap|a bridge|recycling|airplanes|cheese|a lighthouse|whales|
+the alphabet|rainbows|earthquakes|penguins|the printing press|vaccines|the wheel|candles|submarines|tigers|
+elephants|ants|spiders|owls|dolphins|sharks|frogs|butterflies|horses|dogs|rabbits|wolves|octopuses|turtles|
+mushrooms|apples|bananas|rice|chocolate|pizza|salt|sugar|milk|eggs|potatoes|tomatoes|lemons|olive oil|soup|
+a kitchen|a hospital|a school|a museum|a farm|an airport|a market|a park|a zoo|a theater|a village|an island|
+a cave|a waterfall|a glacier|a swamp|the jungle|the arctic|a beach|a canyon|a lake|the sky|thunderstorms|fog|
+tornadoes|hurricanes|autumn|spring|summer|the seasons|the weather|climate change|the atmosphere|oxygen|water|
+plastic|steel|wood|concrete|cotton|silk|gold|copper|diamonds|batteries|solar panels|wind turbines|nuclear power|
+magnets|light|sound|heat|motion|friction|atoms|cells|DNA|bacteria|viruses|the immune system|bones|muscles|
+the lungs|the stomach|blood|teeth|eyes|ears|skin|exercise|running|swimming|yoga|walking|dancing|painting|
+drawing|photography|poetry|novels|newspapers|letters|email|smartphones|computers|keyboards|the mouse|
+video games|television|radio|cameras|clocks|calendars|umbrellas|shoes|hats|coats|backpacks|keys|doors|windows|
+stairs|elevators|roads|traffic lights|cars|buses|ships|rockets|satellites|telescopes|microscopes|the planets|
+Mars|Jupiter|comets|black holes|the Milky Way|astronauts|the ocean floor|coral reefs|tides|waves|sand|rocks|
+fossils|maps of the world|compasses|the north pole|deserts at night|camping|hiking|fishing|gardening|cooking|
+baking|cleaning|laundry|shopping|saving money|budgeting|banks|taxes|jobs|teamwork|leadership|kindness|honesty|
+patience|courage|curiosity|creativity|happiness|sadness|anger|fear|hope|memory|dreams|habits|learning|
+teaching|homework|exams|reading|writing|mathematics|fractions|prime numbers|geometry|triangles|circles|
+algebra|statistics|probability|history|ancient Egypt|the Romans|the Vikings|castles in Europe|pyramids|
+the Great Wall of China|languages|grammar|translation|jokes|riddles|birthdays|holidays|weddings|festivals|
+neighbors|grandparents|siblings|pets|babies|old age|health|vitamins|breakfast|lunch|dinner|snacks|water bottles|
+recycling bins|libraries of the future|electric cars|bicycles in cities|public transport|airports at night|
+the post office|firefighters|doctors|nurses|farmers|teachers|scientists|engineers|artists|musicians|chefs|
+pilots|sailors|librarians|programmers|the scientific method|experiments|inventions|patents|money in history|
+coins|the stock market|advertising|social media|privacy|passwords|computer viruses|the cloud|databases|
+algorithms|sorting|search engines|artificial intelligence|spreadsheets|printers|3D printing|drones|bridges in cities|
+skyscrapers|tunnels|dams|canals|lighthouses at sea|maps on phones|GPS|earth's core|continents|volcanic islands|
+deserts and oases|rainforests|savannas|grasslands|tundra|mountains in winter|ice cream|popcorn|pancakes|
+sandwiches|noodles|dumplings|spices|herbs|vegetables|fruit|nuts|seeds|flowers|trees|grass|leaves|roots|
+cactus plants|sunflowers|roses|bamboo|moss|pollination|compost|worms|snails|crabs|jellyfish|seals|polar bears|
+camels|giraffes|zebras|kangaroos|koalas|pandas|parrots|eagles|crows|hummingbirds|bats|mice|squirrels|foxes|deer|
+bears|lions|cheetahs|gorillas|monkeys""".replace("\n", "").split("|")
 TEMPLATES = ["Explain {t} to a child in two sentences.", "Write a short poem about {t}.",
              "Give three facts about {t}.", "Describe {t} in one paragraph.", "Why is {t} important?",
-             "Write a haiku about {t}.", "What would happen without {t}?", "Tell a very short story about {t}."]
+             "Write a haiku about {t}.", "What would happen without {t}?", "Tell a very short story about {t}.",
+             "List five words related to {t}.", "What are the pros and cons of {t}?", "Write a riddle about {t}.",
+             "Summarize what people should know about {t}.", "Give a fun fact about {t}.",
+             "How would you explain {t} to an alien?", "Write a limerick about {t}.",
+             "What questions do scientists ask about {t}?", "Compare {t} with something similar.",
+             "Write a short dialogue between two friends about {t}.", "Give me a tip related to {t}.",
+             "What is the history of {t} in a few sentences?", "Describe {t} using only simple words.",
+             "Write a product description for {t}.", "Write a diary entry about {t}.",
+             "What are common misconceptions about {t}?", "Teach me one thing about {t} step by step.",
+             "Write a news headline and a short article about {t}.", "How does {t} change over time?",
+             "Write a letter to a friend about {t}.", "Give three questions a student might ask about {t}.",
+             "Describe {t} from the point of view of a cat.", "Write a song chorus about {t}.",
+             "Explain {t} in exactly three bullet points.", "What would a world with more {t} look like?",
+             "Write a motivational quote inspired by {t}.", "Give a simple definition of {t}.",
+             "Describe the sounds and smells of {t}.", "Make a short quiz about {t} with answers.",
+             "Write a bedtime story about {t}.", "What can children learn from {t}?",
+             "Describe {t} in the style of a sports commentator.", "Write an advertisement for {t}.",
+             "Explain how {t} affects everyday life.", "Write two sentences about {t}, one true and one false.",
+             "Describe a day in the life of someone who loves {t}.", "Give a short speech about {t}.",
+             "Write a short mystery involving {t}.", "What are three surprising things about {t}?",
+             "Explain {t} to a grandparent."]
 
 
 def make_prompts(n: int, offset: int = 0) -> list[str]:
@@ -44,21 +96,28 @@ def prompt_ids(tokenizer, prompt: str) -> list[int]:
 
 
 @torch.no_grad()
-def generate_answers(model, tokenizer, prompts: list[str], max_new_tokens: int, batch_size: int = 32) -> list[dict]:
-    """Greedy answers of the target as samples {input_ids, loss_mask}: prompt masked 0, answer (with eos) 1."""
+def generate_answers(model, tokenizer, prompts: list[str], max_new_tokens: int, batch_size: int = 32,
+                     log_every: int = 1) -> list[dict]:
+    """Greedy answers of the target as samples {input_ids, loss_mask}: prompt masked 0, answer (with eos) 1.
+
+    Runs on the model's device. Prompts are batched by length (less left padding) and the samples come
+    back in the order of `prompts`."""
     eos = tokenizer.eos_token_id
-    samples = []
-    for b in range(0, len(prompts), batch_size):
-        ids = [prompt_ids(tokenizer, p) for p in prompts[b:b + batch_size]]
-        width = max(map(len, ids))
-        x = torch.tensor([[eos] * (width - len(i)) + i for i in ids])  # left padding
-        attn = torch.tensor([[0] * (width - len(i)) + [1] * len(i) for i in ids])
+    ids = [prompt_ids(tokenizer, p) for p in prompts]
+    order = sorted(range(len(ids)), key=lambda i: len(ids[i]))
+    samples: list[dict | None] = [None] * len(ids)
+    for n, b in enumerate(range(0, len(order), batch_size)):
+        rows = order[b:b + batch_size]
+        width = max(len(ids[i]) for i in rows)
+        x = torch.tensor([[eos] * (width - len(ids[i])) + ids[i] for i in rows], device=model.device)  # left pad
+        attn = torch.tensor([[0] * (width - len(ids[i])) + [1] * len(ids[i]) for i in rows], device=model.device)
         out = model.generate(x, attention_mask=attn, max_new_tokens=max_new_tokens, do_sample=False,
                              pad_token_id=eos, eos_token_id=eos)
-        for i, row in zip(ids, out[:, width:].tolist()):
+        for i, row in zip(rows, out[:, width:].tolist()):
             answer = row[: row.index(eos) + 1] if eos in row else row
-            samples.append({"input_ids": i + answer, "loss_mask": [0] * len(i) + [1] * len(answer)})
-        log.info("generated answers for %d/%d prompts", len(samples), len(prompts))
+            samples[i] = {"input_ids": ids[i] + answer, "loss_mask": [0] * len(ids[i]) + [1] * len(answer)}
+        if (n + 1) % log_every == 0 or b + batch_size >= len(order):
+            log.info("generated answers for %d/%d prompts", min(b + batch_size, len(order)), len(prompts))
     return samples
 
 

@@ -130,7 +130,8 @@ class SpeculativeDecoder:
 
 def evaluate(target, drafter, vocab, capture_layers, eos_id, prompts_ids: list[list[int]], max_new_tokens: int,
              k: int, check_greedy: bool = True) -> dict:
-    """Speculate on every prompt; assert losslessness against plain greedy decoding; aggregate tau."""
+    """Speculate on every prompt, compare with plain greedy decoding (report["mismatches"]), aggregate tau.
+    The caller decides what a mismatch means (evaluate_phase fails on one)."""
     dec = SpeculativeDecoder(target, drafter, vocab, capture_layers, eos_id)
     total = SpecStats(k)
     per_prompt, mismatches = [], []
@@ -150,6 +151,4 @@ def evaluate(target, drafter, vocab, capture_layers, eos_id, prompts_ids: list[l
     report.update({"prompts": len(prompts_ids), "max_new_tokens": max_new_tokens, "per_prompt": per_prompt,
                    "identical_to_greedy": not mismatches if check_greedy else None, "mismatches": mismatches,
                    "seconds": round(time.time() - t0, 2)})
-    if mismatches:
-        raise PipelineError(f"speculative output differs from greedy decoding (not lossless): {mismatches}")
     return report

@@ -69,7 +69,7 @@ class TrainConfig:
     log_every: int = 1  # metrics.jsonl line every N optimizer steps
     log_every_s: float = 10.0  # progress line in the task log at most this often
     compile: bool = True  # torch.compile the TTT loss on GPU (2x faster at 8B shape, see docs/benchmarks.md)
-    pad_multiple: int = 256  # on GPU, pad batches to a multiple of this so compiled shapes are few
+    pad_multiple: int = 256  # compiled: pad batch lengths to pad_multiple * 2^j (see bucket_length): few graphs
     stop_after_steps: int = 0  # testing hook: exit cleanly after this many steps (no export)
 
     def validate(self) -> "TrainConfig":
@@ -156,25 +156,46 @@ class BatchOrder:
                 index += 1
 
 
-def collate(samples: list[dict], max_len: int, pad_multiple: int = 1) -> dict:
-    """Right-pad samples (truncated to max_len) into a batch, its length rounded up to pad_multiple.
-    Padding has loss_mask 0 and sits after every real token, so causal attention never reads it."""
-    T = min(max_len, max(len(s["input_ids"]) for s in samples))
-    T = min(max_len, -(-T // pad_multiple) * pad_multiple)
-    B = len(samples)
+def bucket_length(n: int, max_len: int, pad_multiple: int) -> int:
+    """Padded batch length for a longest sample of n tokens. With pad_multiple > 1 (GPU, compiled): the
+    smallest pad_multiple * 2^j >= n, so a run meets at most log2(max_len / pad_multiple) + 2 lengths,
+    and a compiled loss is built once per length rather than once per distinct padded size."""
+    n = min(n, max_len)
+    if pad_multiple <= 1:
+        return n
+    T = pad_multiple
+    while T < n:
+        T *= 2
+    return min(T, max_len)
+
+
+def collate(samples: list[dict], max_len: int, pad_multiple: int = 1, rows: int = 0) -> dict:
+    """Right-pad samples (truncated to max_len) into a batch of `rows` rows (0 = as many as samples) and
+    bucket_length(...) columns. Padding has loss_mask 0 and sits after every real token (or fills whole
+    rows), so causal attention never lets a real token read it and the loss never counts it."""
+    T = bucket_length(max(len(s["input_ids"]) for s in samples), max_len, pad_multiple)
+    B = max(rows, len(samples))
     H3, H = samples[0]["aux_hidden"].shape[-1], samples[0]["final_hidden"].shape[-1]
+    # states keep their stored dtype (bf16 from GPU extraction): half the host copy; the caller upcasts on device
     out = {
         "input_ids": torch.zeros(B, T, dtype=torch.long),
         "loss_mask": torch.zeros(B, T, dtype=torch.bool),
-        "aux": torch.zeros(B, T, H3, dtype=torch.float32),
-        "final": torch.zeros(B, T, H, dtype=torch.float32),
+        "aux": torch.zeros(B, T, H3, dtype=samples[0]["aux_hidden"].dtype),
+        "final": torch.zeros(B, T, H, dtype=samples[0]["final_hidden"].dtype),
     }
     for i, s in enumerate(samples):
         n = min(T, len(s["input_ids"]))
-        out["input_ids"][i, :n] = s["input_ids"][:n].long()
+        out["input_ids"][i, :n] = s["input_ids"][:n]
         out["loss_mask"][i, :n] = s["loss_mask"][:n].bool()
-        out["aux"][i, :n] = s["aux_hidden"][:n].float()
-        out["final"][i, :n] = s["final_hidden"][:n].float()
+        out["aux"][i, :n] = s["aux_hidden"][:n]
+        out["final"][i, :n] = s["final_hidden"][:n]
+    return out
+
+
+def to_device(batch: dict, device: torch.device) -> dict:
+    """Move a collated batch to the device; hidden states become fp32 there (autocast picks the matmul dtype)."""
+    out = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+    out["aux"], out["final"] = out["aux"].float(), out["final"].float()
     return out
 
 
@@ -375,7 +396,10 @@ def train(cfg: TrainConfig) -> dict:
                 compiled = None
                 torch._dynamo.reset()
         return ttt_loss(*args)
-    pad_multiple = cfg.pad_multiple if on_gpu else 1
+    # Compiled, every micro-batch has batch_size rows and a power-of-two bucketed length: static shapes, so a
+    # few graphs are built once. Eager, batches stay as long as their longest sample (chunks hold samples of
+    # similar length, so that is little padding).
+    pad_multiple, batch_rows = (cfg.pad_multiple, cfg.batch_size) if compiled is not None else (1, 0)
     t_start, tokens_done = time.time(), 0
 
     def micro_batches():
@@ -395,12 +419,13 @@ def train(cfg: TrainConfig) -> dict:
             sums = torch.zeros(cfg.ttt_steps, 3, dtype=torch.float64)
             loss_total = 0.0
             for _ in range(cfg.grad_accum):
-                batch = {k: v.to(device, non_blocking=True) for k, v in collate(next(stream), cfg.max_seq_len, pad_multiple).items()}
+                samples = next(stream)
+                batch = to_device(collate(samples, cfg.max_seq_len, pad_multiple, batch_rows), device)
                 with autocast:
                     loss, stats = loss_fn(drafter, batch, embed, target_head, cfg.ttt_steps, cfg.step_decay)
                 (loss / cfg.grad_accum).backward()
                 loss_total += float(loss.detach()) / cfg.grad_accum
-                tokens_done += int(batch["input_ids"].numel())
+                tokens_done += sum(min(len(s["input_ids"]), cfg.max_seq_len) for s in samples)  # real tokens only
                 sums += stats.double().cpu()
             grad_norm = torch.nn.utils.clip_grad_norm_(drafter.parameters(), cfg.grad_clip)
             lr = sched.get_last_lr()[0]
