@@ -16,6 +16,7 @@ the real weights cannot travel to the GPU machine. Random weights cost the same 
 
     python bench/extract_bench.py --models 135m,1b,8b --tokens 3e6,1e6,6e5 --out results.json
     python bench/extract_bench.py --models 135m,8b --tokens 3e6,6e5 --writers 6 --compile 135m,8b  # eager vs compiled
+    python bench/extract_bench.py --models 8b --tokens 2e6 --writers 6 --compile 8b --fused 8b  # + fused-llama
     python bench/extract_bench.py --models real --device cpu --dtype bfloat16 --tokens 2e4 --min-len 64 --max-len 512
 """
 
@@ -38,8 +39,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from eagle3.extract.backend import HFBackend  # noqa: E402
-from eagle3.extract.extractor import ExtractConfig, extract_shard  # noqa: E402
+from eagle3.extract.extractor import BACKENDS, ExtractConfig, extract_shard  # noqa: E402
 from eagle3.extract.plan import plan_shards  # noqa: E402
 from eagle3.extract.synthetic import write_merged_dataset  # noqa: E402
 
@@ -178,7 +178,8 @@ def run_naive(model, samples, layers, device, out_dir: Path, seconds: float) -> 
 
 
 def run_extractor(model, model_path, samples, layers, device, dtype_name, work: Path, budget: int,
-                  writers: int, chunk_mb: int, storage: str = "auto", compile: bool = False) -> dict:
+                  writers: int, chunk_mb: int, storage: str = "auto", compile: bool = False,
+                  backend_name: str = "hf") -> dict:
     merge = work / "merge"
     shutil.rmtree(work, ignore_errors=True)
     write_merged_dataset(merge, samples, rows_per_file=512)
@@ -187,8 +188,9 @@ def run_extractor(model, model_path, samples, layers, device, dtype_name, work: 
     mc = {"num_layers": c.num_hidden_layers, "hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size}
     cfg = ExtractConfig(model_path=model_path, extract_dir=str(work / "out"), capture_layers=layers,
                         device=str(device), dtype=dtype_name, token_budget=budget, chunk_mb=chunk_mb,
-                        writer_threads=writers, log_every_s=5.0, storage_dtype=storage, compile=compile)
-    backend = HFBackend(model=model, compile=compile)
+                        writer_threads=writers, log_every_s=5.0, storage_dtype=storage, compile=compile,
+                        backend=backend_name)
+    backend = BACKENDS[backend_name](model=model, compile=compile)
     t = time.perf_counter()
     out = extract_shard(cfg, spec, backend=backend, model_config=mc)
     wall = time.perf_counter() - t
@@ -217,6 +219,8 @@ def main(argv=None) -> int:
     ap.add_argument("--fp8", default="", help="models also measured with fp8 storage (comma list)")
     ap.add_argument("--compile", default="", help="models also measured with compile=True (comma list); the "
                     "compiled run gets its own warm-up (compilation) first")
+    ap.add_argument("--fused", default="", help="models also measured with backend='fused-llama', compiled "
+                    "(comma list)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
@@ -302,6 +306,19 @@ def main(argv=None) -> int:
                 variants["compiled"] = comp
                 if comp["tok_per_s_wall"] > ext["tok_per_s_wall"]:
                     ext = dict(comp, writer_threads=writers_best, compile=True)
+            if name in args.fused.split(","):
+                t = time.perf_counter()
+                run_extractor(model, model_path, warm, layers, device, dtype_name, work / "ext", budget,
+                              writers_best, args.chunk_mb, compile=True, backend_name="fused-llama")
+                warm_s = time.perf_counter() - t
+                fused = run_extractor(model, model_path, samples, layers, device, dtype_name, work / "ext", budget,
+                                      writers_best, args.chunk_mb, compile=True, backend_name="fused-llama")
+                fused["warmup_with_compile_s"] = round(warm_s, 1)
+                print(f"[{name}] fused-llama compiled: {fused['tok_per_s_wall']:.0f} tok/s wall (warm-up incl. "
+                      f"compile {warm_s:.0f} s)", flush=True)
+                variants["fused-llama"] = fused
+                if fused["tok_per_s_wall"] > ext["tok_per_s_wall"]:
+                    ext = dict(fused, writer_threads=writers_best, compile=True, backend="fused-llama")
             limit = min(roofline, disk_limit)
             if name in args.fp8.split(","):
                 fp8 = run_extractor(model, model_path, samples, layers, device, dtype_name, work / "ext", budget,

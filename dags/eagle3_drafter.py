@@ -116,6 +116,8 @@ PARAMS = {
                       description="Target size of one committed chunk (MiB): the unit a killed shard resumes from."),
     "storage_dtype": Param("auto", enum=["auto", "bfloat16", "float16", "float32", "float8_e4m3fn"],
                            section="Extraction", description="Stored hidden-state dtype (auto = compute dtype)."),
+    "extract_backend": Param("hf", enum=["hf", "fused-llama"], section="Extraction",
+                             description="Forward pass: HF modules, or fused q/k/v and gate/up GEMMs (Llama family)."),
     # -- training and evaluation
     "ttt_steps": Param(7, type="integer", minimum=1, maximum=16, section="Training",
                        description="Training-time-test depth K."),
@@ -216,6 +218,7 @@ with DAG(
         capture_layers=MODEL_FACT.format("capture_layers"),
         token_budget="{{ params.token_budget }}",
         storage_dtype="{{ params.storage_dtype }}",
+        backend="{{ params.extract_backend }}",
         chunk_mb="{{ params.chunk_mb }}",
         retries=SHARD_RETRIES,  # a killed or faulted shard resumes from its last committed chunk
         max_active_tis_per_dagrun=64,

@@ -37,12 +37,14 @@ class ExtractShardOperator(BaseOperator):
     """
 
     template_fields: Sequence[str] = ("shard", "model_path", "extract_dir", "capture_layers", "dtype",
-                                      "token_budget", "chunk_mb", "device", "writer_threads", "storage_dtype", "compile")
+                                      "token_budget", "chunk_mb", "device", "writer_threads", "storage_dtype",
+                                      "compile", "backend")
     ui_color = "#f9d9d9"
 
     def __init__(self, *, shard: Any, model_path: str, extract_dir: str, capture_layers: Any = None,
                  dtype: str = "auto", token_budget: Any = 16384, chunk_mb: Any = 1024, device: str = "auto",
-                 writer_threads: Any = 6, storage_dtype: str = "auto", compile: Any = "auto", **kwargs):
+                 writer_threads: Any = 6, storage_dtype: str = "auto", compile: Any = "auto", backend: str = "hf",
+                 **kwargs):
         super().__init__(**kwargs)
         self.shard = shard
         self.model_path = model_path
@@ -55,6 +57,7 @@ class ExtractShardOperator(BaseOperator):
         self.writer_threads = writer_threads
         self.storage_dtype = storage_dtype
         self.compile = compile
+        self.backend = backend
 
     def execute(self, context) -> dict:
         from eagle3.extract.extractor import ExtractConfig, extract_shard
@@ -70,6 +73,7 @@ class ExtractShardOperator(BaseOperator):
             writer_threads=int(self.writer_threads),
             storage_dtype=str(self.storage_dtype),
             compile=self.compile if isinstance(self.compile, bool) else str(self.compile),
+            backend=str(self.backend),
         )
         out = extract_shard(cfg, dict(rendered(self.shard)))
         self.log.info("shard %d: %d chunks, %d tokens, %.2f GB, %.0f tok/s%s", out["shard"], out["chunks"],

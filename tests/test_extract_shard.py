@@ -257,3 +257,30 @@ def test_compile_param_resolves_per_device_and_rejects_junk(tmp_path):
     assert ExtractConfig(**base, device="cuda", compile="False").resolved().compile is False  # a rendered template
     with pytest.raises(ConfigError, match="compile must be true, false or 'auto', got 'maybe'"):
         ExtractConfig(**base, device="cpu", compile="maybe").resolved()
+
+
+@pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
+def test_fused_llama_backend_equals_output_hidden_states(dataset, spec, smollm2_path, reference, tmp_path, compile):
+    """backend='fused-llama' (one GEMM for q/k/v, one for gate/up) captures what a plain HF forward returns,
+    batched with padding, eager and compiled."""
+    out = extract_shard(config(smollm2_path, tmp_path, backend="fused-llama", compile=compile), spec)
+    assert out["complete"] and out["tokens"] == spec.tokens
+    got = {s.row: s for s in HiddenStateReader([Path(out["shard_dir"])], verify=True)}
+    for row, (aux, final) in enumerate(reference):
+        torch.testing.assert_close(got[row].aux_hidden, aux, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(got[row].final_hidden, final, rtol=1e-4, atol=1e-4)
+
+
+def test_fused_llama_backend_refuses_other_architectures_by_name(tmp_path):
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from eagle3.extract.fused_llama import FusedLlamaBackend
+
+    cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=100, attention_bias=True, hidden_act="gelu")
+    model = AutoModelForCausalLM.from_config(cfg)
+    with pytest.raises(ConfigError, match="backend 'fused-llama' cannot run model_type 'llama': attention "
+                                          "projections have biases; hidden_act is 'gelu', not 'silu'"):
+        FusedLlamaBackend(model=model).load("", "float32", "cpu", [1])
+    with pytest.raises(ConfigError, match=r"backend='tensorrt': use one of \['hf', 'fused-llama'\]"):
+        ExtractConfig(model_path="m", extract_dir=str(tmp_path), backend="tensorrt").resolved()

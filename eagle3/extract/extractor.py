@@ -33,6 +33,7 @@ import torch
 from eagle3.faults import ENV_VAR as FAULT_ENV, InjectedFault, maybe_inject_fault  # noqa: F401
 from eagle3.errors import ConfigError, PipelineError
 from eagle3.extract.backend import DTYPES, ExtractionBackend, HFBackend
+from eagle3.extract.fused_llama import FusedLlamaBackend
 from eagle3.extract.format import ChunkRecord, CorruptChunkError, ShardManifest, load_chunk, write_chunk
 from eagle3.extract.plan import ShardSpec
 from eagle3.io import MANIFEST_NAME, fingerprint, remove_stale_temps
@@ -43,6 +44,7 @@ log = logging.getLogger(__name__)
 FP8 = "float8_e4m3fn"  # optional storage: e4m3 values with one fp32 scale per token and layer
 FP8_MAX = 448.0
 STORAGE_DTYPES = {**DTYPES, FP8: torch.float8_e4m3fn}
+BACKENDS = {"hf": HFBackend, "fused-llama": FusedLlamaBackend}
 
 
 class ExtractOOMError(PipelineError):
@@ -68,6 +70,7 @@ class ExtractConfig:
     # torch.compile each decoder layer (HF backend): auto = on GPU (1.3-1.5x on the H200, docs/benchmarks.md;
     # the first batch pays 13-25 s of compilation), off on CPU
     compile: bool | str = "auto"
+    backend: str = "hf"  # "hf": HF transformers modules; "fused-llama": fused q/k/v and gate/up GEMMs (Llama family)
 
     def resolved(self) -> "ExtractConfig":
         c = ExtractConfig(**asdict(self))
@@ -82,6 +85,8 @@ class ExtractConfig:
             if low not in ("true", "false"):
                 raise ConfigError(f"compile must be true, false or 'auto', got {c.compile!r}")
             c.compile = low == "true"
+        if c.backend not in BACKENDS:
+            raise ConfigError(f"backend={c.backend!r}: use one of {list(BACKENDS)}")
         if c.storage_dtype == "auto":
             c.storage_dtype = c.dtype
         if c.storage_dtype not in STORAGE_DTYPES:
@@ -367,7 +372,7 @@ class ShardExtractor:
 
     def _load_backend(self):
         if self.backend is None:
-            self.backend = HFBackend(info=self.info, compile=self.cfg.compile)
+            self.backend = BACKENDS[self.cfg.backend](info=self.info, compile=self.cfg.compile)
         self.backend.load(self.cfg.model_path, self.cfg.dtype, self.cfg.device, self.capture_layers)
         return self.backend
 
