@@ -11,8 +11,8 @@ In ONE process on one device, side by side:
 Reports tokens/s, the fraction of min(roofline, disk limit) and the ratio to naive.
 
 Models: `real` = SmolLM2-135M-Instruct from its HF folder; `135m`, `1b`, `8b` = random-weight
-Llama shapes (SmolLM2-135M, Llama-3.2-1B, Llama-3.1-8B) built from a config on the device, since
-the real weights cannot travel to the GPU machine. Random weights cost the same FLOPs and bytes.
+Llama shapes (SmolLM2-135M, Llama-3.2-1B, Llama-3.1-8B) built from a config on the device (only the
+135M one could be carried there, in two calls: bench/device/). Random weights cost the same FLOPs and bytes.
 
     python bench/extract_bench.py --models 135m,1b,8b --tokens 3e6,1e6,6e5 --out results.json
     python bench/extract_bench.py --models 135m,8b --tokens 3e6,6e5 --writers 6 --compile 135m,8b  # eager vs compiled

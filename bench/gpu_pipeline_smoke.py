@@ -1,7 +1,7 @@
 """The pipeline's GPU path end to end, on one GPU, in one process: extraction shards -> training -> export ->
 speculative-decoding evaluation, exactly through the phase functions the operators call.
 
-The real SmolLM2 weights cannot travel to the GPU machine (over the 64 MiB carry limit), so the target is a
+Needs no weights on the GPU machine (the real ones are over the 64 MiB one call carries), so the target is a
 random-weight model with SmolLM2's config and its real tokenizer (config and tokenizer files are small). Its
 acceptance figures say nothing about quality; this run checks that every CUDA code path works (pinned/async
 extraction, compiled bf16 training, export, lossless speculative decoding on the GPU) and times them.
