@@ -43,6 +43,36 @@ class ExtractionBackend(Protocol):
         """Forward a right-padded [B, L] batch on the device; return ([B, L, H] per capture layer, final [B, L, H])."""
 
 
+def load_decoder(backend, model_path: str, dtype: str, device: str, capture_layers: list[int]) -> None:
+    """The setup every HF-weights backend shares: load `backend.model` (unless preloaded) on `device` in `dtype`,
+    find its decoder, and check the capture layers against it. Sets backend.model/.info/.base/.num_layers/
+    .hidden_size/.capture_layers/.device/.dtype."""
+    torch_dtype = check_dtype(dtype, device)
+    if backend.model is None:
+        from transformers import AutoModelForCausalLM
+
+        backend.info = model_info(model_path)
+        validate_capture_layers(capture_layers, backend.info)  # before spending time on the weights
+        backend.model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=torch_dtype).to(device)
+    else:
+        backend.model = backend.model.to(device=device, dtype=torch_dtype)
+    backend.model.eval()
+    model = backend.model
+    backend.base = model.get_decoder() if hasattr(model, "get_decoder") else model.model
+    backend.num_layers = len(backend.base.layers)
+    backend.hidden_size = int(model.config.get_text_config().hidden_size)
+    if backend.info is not None:
+        validate_capture_layers(capture_layers, backend.info)
+    else:
+        for i in capture_layers:
+            if not 0 <= i < backend.num_layers:
+                raise ConfigError(f"capture layer {i} does not exist: the model has {backend.num_layers} decoder "
+                                  f"layers, so capture layers must be in 0..{backend.num_layers - 1}")
+    backend.capture_layers = list(capture_layers)
+    backend.device = next(model.parameters()).device
+    backend.dtype = torch_dtype
+
+
 class HFBackend:
     """HF transformers causal LM: hooks on the capture layers only, the base model called without lm_head.
 
@@ -60,31 +90,8 @@ class HFBackend:
 
     # -- setup --------------------------------------------------------------------------
     def load(self, model_path: str, dtype: str, device: str, capture_layers: list[int]) -> None:
-        torch_dtype = check_dtype(dtype, device)
-        if self.model is None:
-            from transformers import AutoModelForCausalLM
-
-            self.info = model_info(model_path)
-            validate_capture_layers(capture_layers, self.info)
-            self.model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=torch_dtype)
-            self.model = self.model.to(device)
-        else:
-            self.model = self.model.to(device=device, dtype=torch_dtype)
-        self.model.eval()
-        self.base = self.model.get_decoder() if hasattr(self.model, "get_decoder") else self.model.model
+        load_decoder(self, model_path, dtype, device, capture_layers)
         layers = self.base.layers
-        self.num_layers = len(layers)
-        self.hidden_size = int(self.model.config.get_text_config().hidden_size)
-        if self.info is not None:
-            validate_capture_layers(capture_layers, self.info)
-        else:
-            for i in capture_layers:
-                if not 0 <= i < self.num_layers:
-                    raise ConfigError(f"capture layer {i} does not exist: the model has {self.num_layers} decoder "
-                                      f"layers, so capture layers must be in 0..{self.num_layers - 1}")
-        self.capture_layers = list(capture_layers)
-        self.device = next(self.model.parameters()).device
-        self.dtype = torch_dtype
         for h in self._hooks:
             h.remove()
         self._hooks = []

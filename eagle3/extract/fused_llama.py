@@ -18,8 +18,8 @@ import torch
 import torch.nn.functional as F
 
 from eagle3.errors import ConfigError
-from eagle3.extract.backend import check_dtype
-from eagle3.models import ModelInfo, model_info, validate_capture_layers
+from eagle3.extract.backend import load_decoder
+from eagle3.models import ModelInfo
 
 
 @dataclass
@@ -71,26 +71,10 @@ class FusedLlamaBackend:
         self.compile = compile
 
     def load(self, model_path: str, dtype: str, device: str, capture_layers: list[int]) -> None:
-        torch_dtype = check_dtype(dtype, device)
         owned = self.model is None
-        if owned:
-            from transformers import AutoModelForCausalLM
-
-            self.info = model_info(model_path)
-            validate_capture_layers(capture_layers, self.info)
-            self.model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=torch_dtype)
-        model = self.model.to(device=device, dtype=torch_dtype).eval()
-        cfg = model.config.get_text_config()
-        base = model.get_decoder() if hasattr(model, "get_decoder") else model.model
+        load_decoder(self, model_path, dtype, device, capture_layers)
+        cfg, base = self.model.config.get_text_config(), self.base
         self._check_supported(cfg, base)
-        self.num_layers = len(base.layers)
-        if self.info is not None:
-            validate_capture_layers(capture_layers, self.info)
-        elif not all(0 <= i < self.num_layers for i in capture_layers):
-            raise ConfigError(f"capture layers {capture_layers}: the model has {self.num_layers} decoder layers, "
-                              f"so capture layers must be in 0..{self.num_layers - 1}")
-        self.capture_layers = list(capture_layers)
-        self.hidden_size = int(cfg.hidden_size)
         self.heads, self.kv_heads = int(cfg.num_attention_heads), int(cfg.num_key_value_heads)
         self.head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
         self.eps = float(cfg.rms_norm_eps)
@@ -109,8 +93,6 @@ class FusedLlamaBackend:
                 for lin in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj,
                             layer.mlp.gate_proj, layer.mlp.up_proj):
                     lin.weight = None
-        self.device = next(self.embed.parameters()).device
-        self.dtype = torch_dtype
         self._layer = torch.compile(decoder_layer, dynamic=True) if self.compile else decoder_layer
 
     @staticmethod
