@@ -293,32 +293,23 @@ def main(argv=None) -> int:
             best = max(variants, key=lambda w: variants[w]["tok_per_s_wall"])
             ext = dict(variants[best], writer_threads=best, compile=False)
             writers_best = best
-            if name in args.compile.split(","):
-                t = time.perf_counter()  # compilation happens in the warm-up run, as it would once per task
-                run_extractor(model, model_path, warm, layers, device, dtype_name, work / "ext", budget,
-                              writers_best, args.chunk_mb, compile=True)
-                warm_s = time.perf_counter() - t
-                comp = run_extractor(model, model_path, samples, layers, device, dtype_name, work / "ext", budget,
-                                     writers_best, args.chunk_mb, compile=True)
-                comp["warmup_with_compile_s"] = round(warm_s, 1)
-                print(f"[{name}] compiled: {comp['tok_per_s_wall']:.0f} tok/s wall (warm-up incl. compile "
-                      f"{warm_s:.0f} s)", flush=True)
-                variants["compiled"] = comp
-                if comp["tok_per_s_wall"] > ext["tok_per_s_wall"]:
-                    ext = dict(comp, writer_threads=writers_best, compile=True)
-            if name in args.fused.split(","):
+            # compiled variants: the warm-up run pays the compilation, as each task would once
+            for label, backend_name, wanted in (("compiled", "hf", args.compile),
+                                                ("fused-llama", "fused-llama", args.fused)):
+                if name not in wanted.split(","):
+                    continue
                 t = time.perf_counter()
                 run_extractor(model, model_path, warm, layers, device, dtype_name, work / "ext", budget,
-                              writers_best, args.chunk_mb, compile=True, backend_name="fused-llama")
+                              writers_best, args.chunk_mb, compile=True, backend_name=backend_name)
                 warm_s = time.perf_counter() - t
-                fused = run_extractor(model, model_path, samples, layers, device, dtype_name, work / "ext", budget,
-                                      writers_best, args.chunk_mb, compile=True, backend_name="fused-llama")
-                fused["warmup_with_compile_s"] = round(warm_s, 1)
-                print(f"[{name}] fused-llama compiled: {fused['tok_per_s_wall']:.0f} tok/s wall (warm-up incl. "
-                      f"compile {warm_s:.0f} s)", flush=True)
-                variants["fused-llama"] = fused
-                if fused["tok_per_s_wall"] > ext["tok_per_s_wall"]:
-                    ext = dict(fused, writer_threads=writers_best, compile=True, backend="fused-llama")
+                v = run_extractor(model, model_path, samples, layers, device, dtype_name, work / "ext", budget,
+                                  writers_best, args.chunk_mb, compile=True, backend_name=backend_name)
+                v["warmup_with_compile_s"] = round(warm_s, 1)
+                print(f"[{name}] {label}: {v['tok_per_s_wall']:.0f} tok/s wall (warm-up incl. compile "
+                      f"{warm_s:.0f} s)", flush=True)
+                variants[label] = v
+                if v["tok_per_s_wall"] > ext["tok_per_s_wall"]:
+                    ext = dict(v, writer_threads=writers_best, compile=True, backend=backend_name)
             limit = min(roofline, disk_limit)
             if name in args.fp8.split(","):
                 fp8 = run_extractor(model, model_path, samples, layers, device, dtype_name, work / "ext", budget,
