@@ -210,7 +210,8 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default=None, help="compute dtype (default bfloat16 on GPU, float32 on CPU)")
     ap.add_argument("--budget", default=None, help="token_budget per model (comma list)")
     ap.add_argument("--writers", default="3", help="writer threads; a comma list measures each, the best is reported")
-    ap.add_argument("--chunk-mb", type=int, default=1024)
+    ap.add_argument("--chunk-mb", default="1024", help="chunk size in MB: one for all models or a comma list")
+    ap.add_argument("--no-eager", action="store_true", help="skip the eager variants (measure --compile/--fused only)")
     ap.add_argument("--naive-seconds", type=float, default=8.0)
     ap.add_argument("--disk-gb", type=float, default=6.0)
     ap.add_argument("--matmul-n", type=int, default=None)
@@ -241,14 +242,19 @@ def main(argv=None) -> int:
     n = args.matmul_n or (8192 if device.type == "cuda" else 1024)
     res["matmul_flops"] = matmul_probe(device, dtype, n, reps=20 if device.type == "cuda" else 5)
     print(f"matmul {dtype_name} {n}^3: {res['matmul_flops'] / 1e12:.1f} TFLOP/s", flush=True)
-    file_bytes = args.chunk_mb << 20
-    # the disk limit is the best of 1, 2 and as many concurrent fsynced writers as the extractor uses:
-    # a cloud block device gives more with more streams in flight
+    chunk_mbs = [int(x) for x in args.chunk_mb.split(",")]
+    chunk_mbs = chunk_mbs * len(models) if len(chunk_mbs) == 1 else chunk_mbs
+    if len(chunk_mbs) != len(models):
+        ap.error(f"--chunk-mb: {len(chunk_mbs)} sizes for {len(models)} models")
+    # the disk limit is the best of 1, 2 and as many concurrent fsynced writers as the extractor uses (a cloud
+    # block device gives more with more streams in flight), over every chunk size used: the best the disk does
     probes = {}
-    for w in sorted({1, 2, max(int(x) for x in args.writers.split(","))}):
-        probes[f"{w}_writers"] = disk_probe(work / "disk", int(args.disk_gb * 1e9), file_bytes, writers=w)
+    for mb in sorted(set(chunk_mbs)):
+        for w in sorted({1, 2, max(int(x) for x in args.writers.split(","))}):
+            key = f"{w}_writers" if len(set(chunk_mbs)) == 1 else f"{w}_writers_{mb}mb"
+            probes[key] = disk_probe(work / "disk", int(args.disk_gb * 1e9), mb << 20, writers=w)
     res["disk_bytes_per_s"] = probes
-    d1, d2 = probes["1_writers"], max(probes.values())
+    d2 = max(probes.values())
     import hashlib
     blob = np.random.default_rng(1).integers(0, 255, 256 << 20, dtype=np.uint8).tobytes()
     t = time.perf_counter()
@@ -258,7 +264,7 @@ def main(argv=None) -> int:
     disk = d2
     print("disk write+fsync: " + ", ".join(f"{v / 1e9:.2f} GB/s ({k})" for k, v in probes.items()), flush=True)
 
-    for name, n_tok, budget in zip(models, tokens, budgets):
+    for name, n_tok, budget, chunk_mb in zip(models, tokens, budgets, chunk_mbs):
         try:
             real_path = args.real_path
             if name == "real" and real_path is None:
@@ -282,17 +288,18 @@ def main(argv=None) -> int:
             print(f"[{name}] naive: {naive['tok_per_s']:.0f} tok/s ({naive['samples']} samples)", flush=True)
             # warm-up run (kernels, allocator, pinned buffers) on a few samples, then the measured run
             warm = make_samples(min(n_tok, 4 * budget), args.min_len, args.max_len, c.vocab_size, seed=2)
-            run_extractor(model, model_path, warm, layers, device, dtype_name, work / "ext", budget,
-                          int(args.writers.split(",")[0]), args.chunk_mb)
-            variants = {}
-            for w in [int(x) for x in args.writers.split(",")]:
-                variants[w] = run_extractor(model, model_path, samples, layers, device, dtype_name, work / "ext",
-                                            budget, w, args.chunk_mb)
-                print(f"[{name}] writers={w}: {variants[w]['tok_per_s_wall']:.0f} tok/s wall, "
-                      f"{variants[w]['steady_tok_per_s']:.0f} steady", flush=True)
-            best = max(variants, key=lambda w: variants[w]["tok_per_s_wall"])
-            ext = dict(variants[best], writer_threads=best, compile=False)
-            writers_best = best
+            variants, ext = {}, None
+            writers_best = int(args.writers.split(",")[0])
+            if not args.no_eager:
+                run_extractor(model, model_path, warm, layers, device, dtype_name, work / "ext", budget,
+                              writers_best, chunk_mb)
+                for w in [int(x) for x in args.writers.split(",")]:
+                    variants[w] = run_extractor(model, model_path, samples, layers, device, dtype_name,
+                                                work / "ext", budget, w, chunk_mb)
+                    print(f"[{name}] writers={w}: {variants[w]['tok_per_s_wall']:.0f} tok/s wall, "
+                          f"{variants[w]['steady_tok_per_s']:.0f} steady", flush=True)
+                writers_best = max(variants, key=lambda w: variants[w]["tok_per_s_wall"])
+                ext = dict(variants[writers_best], writer_threads=writers_best, compile=False)
             # compiled variants: the warm-up run pays the compilation, as each task would once
             for label, backend_name, wanted in (("compiled", "hf", args.compile),
                                                 ("fused-llama", "fused-llama", args.fused)):
@@ -300,20 +307,22 @@ def main(argv=None) -> int:
                     continue
                 t = time.perf_counter()
                 run_extractor(model, model_path, warm, layers, device, dtype_name, work / "ext", budget,
-                              writers_best, args.chunk_mb, compile=True, backend_name=backend_name)
+                              writers_best, chunk_mb, compile=True, backend_name=backend_name)
                 warm_s = time.perf_counter() - t
                 v = run_extractor(model, model_path, samples, layers, device, dtype_name, work / "ext", budget,
-                                  writers_best, args.chunk_mb, compile=True, backend_name=backend_name)
+                                  writers_best, chunk_mb, compile=True, backend_name=backend_name)
                 v["warmup_with_compile_s"] = round(warm_s, 1)
                 print(f"[{name}] {label}: {v['tok_per_s_wall']:.0f} tok/s wall (warm-up incl. compile "
                       f"{warm_s:.0f} s)", flush=True)
                 variants[label] = v
-                if v["tok_per_s_wall"] > ext["tok_per_s_wall"]:
+                if ext is None or v["tok_per_s_wall"] > ext["tok_per_s_wall"]:
                     ext = dict(v, writer_threads=writers_best, compile=True, backend=backend_name)
+            if ext is None:
+                raise ValueError("--no-eager leaves nothing to measure: name this model in --compile or --fused")
             limit = min(roofline, disk_limit)
             if name in args.fp8.split(","):
                 fp8 = run_extractor(model, model_path, samples, layers, device, dtype_name, work / "ext", budget,
-                                    writers_best, args.chunk_mb, storage="float8_e4m3fn")
+                                    writers_best, chunk_mb, storage="float8_e4m3fn")
                 bpt8 = (len(layers) + 1) * (c.hidden_size + 4) + 5
                 lim8 = min(roofline, disk / bpt8)
                 res["models"][name + "-fp8"] = {
@@ -327,7 +336,7 @@ def main(argv=None) -> int:
             r = {
                 "model_path": model_path, "build_s": round(build_s, 1), "params": sum(p.numel() for p in model.parameters()),
                 "capture_layers": layers, "token_budget": budget, "samples": len(samples), "tokens": int(lengths.sum()),
-                "lengths": [args.min_len, args.max_len], "bytes_per_token": bpt,
+                "lengths": [args.min_len, args.max_len], "bytes_per_token": bpt, "chunk_mb": chunk_mb,
                 "roofline_tok_per_s": roofline, "disk_limit_tok_per_s": disk_limit,
                 "binding_limit": "compute" if roofline < disk_limit else "disk",
                 "naive": naive, "extractor": ext,

@@ -1,12 +1,13 @@
 """Drafter quality on the real SmolLM2-135M-Instruct target, on one GPU, through the pipeline's own phases.
 
     GGUF -> HF folder (eagle3.models.convert_gguf)
-    -> the target's own greedy answers to templated prompts (batched HF generate on the GPU, fp32),
-       written as datagen output: <work>/datagen/<dataset>/tokenized.jsonl (input_ids + loss_mask)
+    -> the target's own answers to templated prompts (batched HF generate on the GPU, bf16; greedy, then
+       optional sampled passes), written as datagen output: <work>/datagen/<dataset>/tokenized.jsonl
     -> merge phase (run_merge: dedup, shuffle, length cap)
     -> extraction phase (plan_shards + extract_shard on the GPU, bf16, [2, 15, 27] + final state)
     -> training phase (train_phase on the GPU: TTT K=7, draft vocab, export for SGLang)
-    -> evaluation phase (evaluate_phase on the GPU: held-out prompts, k=5, lossless check, random floor)
+    -> evaluation phase (evaluate_phase on the GPU: held-out prompts, k=5, lossless check, random floor;
+       tau also over the first 64/128 tokens and split by answers ending with eos vs. hitting the cap)
 
 Every stage skips what is already done (answers are saved in parts; the phases are idempotent and
 resumable), so a re-run after a crash or a timeout continues where it stopped. The summary, the
@@ -57,27 +58,49 @@ def target_folder(args, work: Path) -> Path:
 
 
 def generate(args, model_path: Path, work: Path, device: str, times: dict) -> Path:
-    """The target's answers, in parts of --part-size prompts (a finished part is never redone),
-    written as one datagen-style dataset folder per part."""
+    """The target's answers, in parts of --part-size prompts (a finished part is never redone), written as
+    one datagen-style dataset folder per part: greedy answers first (S00, S01, ...), then --sampled-passes
+    passes over the same prompts sampled at --temperature (T000, ...: more distinct contexts; the teacher is
+    the target's own distribution at every position either way). With --gen-seconds, no new part starts
+    once the time spent plus the last part's duration would pass it, and with --gen-max-answer-tokens none once
+this run made that many answer tokens (states take 4 x hidden x 2 bytes a token on disk): the run trains on
+the parts done."""
     prompts = sd.make_prompts(args.prompts)
     root = work / "datagen"
-    parts = [(i, prompts[i:i + args.part_size]) for i in range(0, len(prompts), args.part_size)]
-    todo = [(i, p) for i, p in parts if not (root / f"S{i // args.part_size:02d}" / "tokenized.jsonl").is_file()]
+    parts = [(f"S{i // args.part_size:02d}", i, 0.0, 0) for i in range(0, len(prompts), args.part_size)]
+    for p in range(args.sampled_passes):
+        parts += [(f"T{p}{i // args.part_size:02d}", i, args.temperature, 1 + p * 1000 + i // args.part_size)
+                  for i in range(0, len(prompts), args.part_size)]
+    todo = [part for part in parts if not (root / part[0] / "tokenized.jsonl").is_file()]
     if not todo:
         return root
     t = time.time()
-    model, tok = load_model(model_path, device=device), load_tokenizer(model_path)
-    for i, chunk in todo:
-        name = f"S{i // args.part_size:02d}"
-        samples = sd.generate_answers(model, tok, chunk, args.new_tokens, batch_size=args.gen_batch, log_every=4)
+    dtype = args.gen_dtype or ("bfloat16" if device == "cuda" else "float32")
+    model, tok = load_model(model_path, dtype=dtype, device=device), load_tokenizer(model_path)
+    answer_tokens, last_part_s = 0, 0.0
+    for n_done, (name, i, temperature, seed) in enumerate(todo):
+        over_time = args.gen_seconds and time.time() - t + last_part_s > args.gen_seconds
+        if over_time or (args.gen_max_answer_tokens and answer_tokens >= args.gen_max_answer_tokens):
+            log.info("generation budget reached (%s s, %s answer tokens): %d of %d parts left undone",
+                     args.gen_seconds, args.gen_max_answer_tokens, len(todo) - n_done, len(parts))
+            break
+        t_part = time.time()
+        samples = sd.generate_answers(model, tok, prompts[i:i + args.part_size], args.new_tokens,
+                                      batch_size=args.gen_batch, log_every=4, temperature=temperature, seed=seed)
         folder = root / name
         folder.mkdir(parents=True, exist_ok=True)
         with atomic_path(folder / "tokenized.jsonl") as tmp:
             with open(tmp, "w") as f:
                 for j, s in enumerate(samples):
                     f.write(json.dumps({"sample_id": f"{name}-{i + j}", "dataset": name, **s}) + "\n")
-        log.info("dataset %s: %d samples, %d answer tokens", name, len(samples), sum(sum(s["loss_mask"]) for s in samples))
+        last_part_s = time.time() - t_part
+        n_answer = sum(sum(s["loss_mask"]) for s in samples)
+        answer_tokens += n_answer
+        log.info("dataset %s (temperature %s): %d samples, %d answer tokens, %.0f answer tok/s", name, temperature,
+                 len(samples), n_answer, n_answer / last_part_s)
     times["generate_s"] = round(time.time() - t, 1)
+    times["generate_answer_tok_per_s"] = round(answer_tokens / max(1e-9, times["generate_s"]))
+    times["generate_dtype"] = dtype
     del model
     return root
 
@@ -94,9 +117,16 @@ def main() -> None:
     ap.add_argument("--heldout", type=int, default=40)
     ap.add_argument("--new-tokens", type=int, default=320)
     ap.add_argument("--gen-batch", type=int, default=1024)
+    ap.add_argument("--gen-dtype", default=None, help="dtype of the generating target (default bfloat16 on GPU)")
+    ap.add_argument("--gen-seconds", type=float, default=0, help="time budget for generation (0 = none)")
+    ap.add_argument("--gen-max-answer-tokens", type=float, default=0, help="no new part past this many (0 = none)")
+    ap.add_argument("--sampled-passes", type=int, default=0, help="passes of sampled answers after the greedy one")
+    ap.add_argument("--temperature", type=float, default=0.8, help="temperature of the sampled passes")
     ap.add_argument("--max-seq-len", type=int, default=512)
     ap.add_argument("--shards", type=int, default=2)
     ap.add_argument("--epochs", type=int, default=5)
+    ap.add_argument("--train-tokens", type=float, default=0,
+                    help="epochs = round(this / merged tokens), at least 1 (overrides --epochs)")
     ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument("--lr", type=float, default=5e-4)
     ap.add_argument("--compile", action="store_true", help="torch.compile the TTT loss (default: eager)")
@@ -130,9 +160,10 @@ def main() -> None:
               for spec in plan_shards(work / "merge", args.shards)]
     times["extract_s"] = round(time.time() - t, 1)
 
+    epochs = max(1, round(args.train_tokens / merged["tokens"])) if args.train_tokens else args.epochs
     t = time.time()
     train = train_phase(TrainConfig(shard_dirs=[s["shard_dir"] for s in shards], model_path=str(model_path),
-                                    output_dir=str(work / "train"), epochs=args.epochs, batch_size=args.batch_size,
+                                    output_dir=str(work / "train"), epochs=epochs, batch_size=args.batch_size,
                                     lr=args.lr, warmup_ratio=0.02, checkpoint_every=500, max_seq_len=args.max_seq_len,
                                     compile=args.compile, log_every=10))
     times["train_s"] = round(time.time() - t, 1)
@@ -157,10 +188,11 @@ def main() -> None:
         "answer_tokens": read_json(work / "merge" / "stats.json")["assistant_tokens_out"],
         "truncated": merged.get("truncated"),
         "extracted_tokens": sum(s["tokens"] for s in shards), "extract_tok_per_s": [s.get("tok_per_s") for s in shards],
-        "draft_vocab": train["draft_vocab_size"], "steps": train["steps"], "first": train["first"], "last": train["last"],
+        "epochs": epochs, "draft_vocab": train["draft_vocab_size"], "steps": train["steps"], "first": train["first"], "last": train["last"],
         "tau": ev["tau"], "tau_random_init": ev["tau_random_init"], "identical_to_greedy": ev["identical_to_greedy"],
         "lossless_failure": lossless_failure,
         "acceptance_rate_by_position": tr["acceptance_rate_by_position"], "accepted_at_least": tr["accepted_at_least"],
+        "tau_breakdown": tr["tau_breakdown"],
         "eval_prompts": tr["prompts"], "eval_new_tokens": tr["new_tokens"], "times": times,
     }
     (out / "quality_gpu.json").write_text(json.dumps(summary, indent=1))

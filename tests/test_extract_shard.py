@@ -284,3 +284,20 @@ def test_fused_llama_backend_refuses_other_architectures_by_name(tmp_path):
         FusedLlamaBackend(model=model).load("", "float32", "cpu", [1])
     with pytest.raises(ConfigError, match=r"backend='tensorrt': use one of \['hf', 'fused-llama'\]"):
         ExtractConfig(model_path="m", extract_dir=str(tmp_path), backend="tensorrt").resolved()
+
+
+def test_host_buffer_pool_makes_buffers_only_when_all_are_in_use():
+    import threading
+
+    from eagle3.extract.extractor import HostBufferPool
+
+    made = []
+    pool = HostBufferPool(3, lambda: made.append(object()) or made[-1])
+    a = pool.get(timeout=0.01)
+    pool.put(a)
+    assert pool.get(timeout=0.01) is a and len(made) == 1  # a free buffer is reused, none made
+    b, c = pool.get(timeout=0.01), pool.get(timeout=0.01)
+    assert len({id(a), id(b), id(c)}) == 3 and pool.made == 3
+    assert pool.get(timeout=0.05) is None and len(made) == 3  # at the limit: waits, makes no fourth
+    threading.Timer(0.05, pool.put, args=(b,)).start()  # a writer hands one back
+    assert pool.get(timeout=5) is b

@@ -277,6 +277,7 @@ def test_export_names_and_shapes_match_sglang_loader(tmp_path, smollm2_path):
 @pytest.mark.slow
 def test_speculative_decoding_is_lossless_and_reports_acceptance(trained, smollm2_path, tmp_path):
     from eagle3.train.run import EvalConfig, evaluate_phase
+    from eagle3.train.speculative import tau_of
     from eagle3.train.selfdistill import make_prompts
 
     _, report = trained
@@ -289,6 +290,13 @@ def test_speculative_decoding_is_lossless_and_reports_acceptance(trained, smollm
     assert t["prompts"] == 3 and t["rounds"] > 0
     assert 1.0 <= t["tau"] <= 4.0 and len(t["acceptance_rate_by_position"]) == 3
     assert t["tau"] == pytest.approx(1 + sum(t["accepted_at_least"]))
+    # the per-round history is the same measurement: it rebuilds tau and covers every new token
+    rounds = [p["accepted_per_round"] for p in t["per_prompt"]]
+    assert sum(len(h) for h in rounds) == t["rounds"] and tau_of(rounds)["tau"] == pytest.approx(t["tau"])
+    # the prefill gives the first new token, each round a + 1 (the last round may pass max_new_tokens or eos)
+    assert all(1 + sum(a + 1 for a in h) >= p["new_tokens"] for h, p in zip(rounds, t["per_prompt"]))
+    split = t["tau_breakdown"]
+    assert split["ended_with_eos"]["prompts"] + split["hit_cap"]["prompts"] == 3
     assert (tmp_path / "acceptance.png").read_bytes()[:4] == b"\x89PNG"
     # operator path: same params -> skipped (report reused), returns a small dict
     from operators.train import EvaluateDrafterOperator
@@ -384,3 +392,20 @@ def test_bad_inputs_fail_clearly(tmp_path, smollm2_path):
     bad.write_text('{"prompt": "ok"}\n{"text": "no prompt key"}\n')
     with pytest.raises(ConfigError, match=r"prompts.jsonl:2"):
         load_prompts(EvalConfig(export_dir="x", model_path="y", output_dir="z", prompts_file=str(bad)), None)
+
+
+def test_tau_over_first_tokens_and_by_answer_end():
+    from eagle3.train.speculative import tau_breakdown, tau_of
+
+    # prompt A: rounds accepting 2, 0, 4 drafts -> 3 + 1 + 5 = 9 tokens in 3 rounds; B: 1, 1 -> 4 in 2
+    assert tau_of([[2, 0, 4], [1, 1]]) == {"prompts": 2, "rounds": 5, "tau": 13 / 5}
+    # new token 0 comes from the prefill, so A's rounds start at tokens 1, 4, 5 and B's at 1, 3:
+    # the first 5 tokens hold A's first two rounds (4 tokens) and both of B's (4 tokens)
+    assert tau_of([[2, 0, 4], [1, 1]], first_tokens=5) == {"prompts": 2, "rounds": 4, "tau": 8 / 4}
+    assert tau_of([]) == {"prompts": 0, "rounds": 0, "tau": None}
+    per_prompt = [{"accepted_per_round": [2, 0, 4], "ended_with_eos": True},
+                  {"accepted_per_round": [1, 1], "ended_with_eos": False}]
+    split = tau_breakdown(per_prompt, max_new_tokens=200)
+    assert split["ended_with_eos"]["tau"] == 3 and split["hit_cap"]["tau"] == 2
+    assert split["first_64_tokens"]["tau"] == 13 / 5 and "first_128_tokens" in split
+    assert "first_64_tokens" not in tau_breakdown(per_prompt, max_new_tokens=64)

@@ -61,8 +61,9 @@ class ExtractConfig:
     storage_dtype: str = "auto"  # stored states: auto = the compute dtype; float8_e4m3fn = fp8 + per-token scales
     token_budget: int = 16384  # padded tokens per forward pass (batch rows x longest sample)
     chunk_mb: float = 1024  # target chunk file size (MiB); fixes chunk_tokens = chunk_mb / bytes per token
-    # chunks written at once (while one fsyncs, others are written); GPU runs pin writer_threads + 1
-    # chunk buffers of chunk_mb each. 6 was best of 3/6 on the H200's disk (docs/benchmarks.md).
+    # chunks written at once (while one fsyncs, others are written); GPU runs pin up to writer_threads + 1
+    # chunk buffers of chunk_mb each (made on demand: HostBufferPool). 6 was best of 3/6 on the H200's disk
+    # (docs/benchmarks.md).
     writer_threads: int = 6
     verify_existing: bool = False  # re-hash committed chunks on resume / finished re-run
     log_every_s: float = 30.0
@@ -233,6 +234,34 @@ class _StateBuffers:
         return [t for t in (self.aux, self.final, self.aux_scale, self.final_scale) if t is not None]
 
 
+class HostBufferPool:
+    """Host chunk buffers (pinned on a GPU run), made on demand up to `limit`. Pinning costs ~0.3 s a GB, so a
+    run pays for a buffer only when every made one is still in a writer's hands: a compute-bound run (few chunks
+    in flight) never makes the rest, and no pinning delays the first forward pass beyond the first buffer.
+    `get` runs on the compute thread only; writers `put` buffers back."""
+
+    def __init__(self, limit: int, make):
+        self.limit, self.make, self.made = limit, make, 0
+        self.free: queue.Queue = queue.Queue()
+
+    def put(self, buf) -> None:
+        self.free.put(buf)
+
+    def get(self, timeout: float):
+        """A free buffer, a new one while fewer than `limit` exist, or None after waiting `timeout` seconds."""
+        try:
+            return self.free.get_nowait()
+        except queue.Empty:
+            pass
+        if self.made < self.limit:
+            self.made += 1
+            return self.make()
+        try:
+            return self.free.get(timeout=timeout)
+        except queue.Empty:
+            return None
+
+
 def _store(dst: torch.Tensor, scale: torch.Tensor | None, x: torch.Tensor) -> None:
     """dst[:] = x in the storage dtype; for fp8, one scale per token so amax maps to the fp8 max."""
     if scale is None:
@@ -398,9 +427,8 @@ class ShardExtractor:
         staging = [_StateBuffers(max_batch, n_cap, H, self.storage, dev) for _ in range(2)]
         for st in staging:
             st.event = torch.cuda.Event() if cuda else None
-        pool: queue.Queue = queue.Queue()
-        for _ in range(self.cfg.writer_threads + 1 if cuda else 2):
-            pool.put(_StateBuffers(max_chunk, n_cap, H, self.storage, "cpu", pin=cuda))
+        pool = HostBufferPool(self.cfg.writer_threads + 1 if cuda else 2,
+                              lambda: _StateBuffers(max_chunk, n_cap, H, self.storage, "cpu", pin=cuda))
         copy_stream = torch.cuda.Stream(dev) if cuda else None
         total_tokens = self.spec.tokens
         self._progress = {"tokens": self.manifest.tokens, "bytes": sum(c.bytes for c in self.manifest.chunks),
@@ -479,17 +507,17 @@ class ShardExtractor:
             writers.shutdown(wait=True, cancel_futures=True)
         self._maybe_log(total_tokens, force=True)
 
-    def _take(self, pool: queue.Queue) -> _StateBuffers:
+    def _take(self, pool: HostBufferPool) -> _StateBuffers:
         while True:
             self._raise_if_failed()
-            try:
-                return pool.get(timeout=0.5)
-            except queue.Empty:
-                continue
+            buf = pool.get(timeout=0.5)
+            if buf is not None:
+                return buf
 
     def _raise_if_failed(self) -> None:
-        with self._lock:
-            err = self._error
+        # no lock: reading one attribute is atomic, and a writer holds the lock through the manifest's fsync,
+        # which must not stall the compute thread (it asks after every batch)
+        err = self._error
         if err is not None:
             raise err
 
@@ -516,6 +544,11 @@ class ShardExtractor:
                 if self._error is not None:
                     return
             rec = write_chunk(self.shard_dir, ci, tensors, metadata=meta)
+            # the chunk's bytes are in its file: the compute thread may refill the buffer while this writer
+            # waits for the chunks before it to commit
+            buf.event = None
+            pool.put(buf)
+            buf = None
             self._commit(ci, rec)
         except BaseException as e:
             with self._lock:
@@ -523,8 +556,9 @@ class ShardExtractor:
                     self._error = e
                 self._lock.notify_all()
         finally:
-            buf.event = None
-            pool.put(buf)
+            if buf is not None:
+                buf.event = None
+                pool.put(buf)
 
     def _commit(self, ci: int, rec: ChunkRecord) -> None:
         """Append chunk ci to the manifest, strictly in chunk order (writers finish out of order)."""

@@ -97,8 +97,9 @@ def prompt_ids(tokenizer, prompt: str) -> list[int]:
 
 @torch.no_grad()
 def generate_answers(model, tokenizer, prompts: list[str], max_new_tokens: int, batch_size: int = 32,
-                     log_every: int = 1) -> list[dict]:
-    """Greedy answers of the target as samples {input_ids, loss_mask}: prompt masked 0, answer (with eos) 1.
+                     log_every: int = 1, temperature: float = 0.0, seed: int = 0) -> list[dict]:
+    """The target's answers as samples {input_ids, loss_mask}: prompt masked 0, answer (with eos) 1.
+    Greedy, or sampled at `temperature` > 0 (seeded: the same call gives the same answers on one machine).
 
     Runs on the model's device. Prompts are batched by length (less left padding) and the samples come
     back in the order of `prompts`."""
@@ -111,8 +112,11 @@ def generate_answers(model, tokenizer, prompts: list[str], max_new_tokens: int, 
         width = max(len(ids[i]) for i in rows)
         x = torch.tensor([[eos] * (width - len(ids[i])) + ids[i] for i in rows], device=model.device)  # left pad
         attn = torch.tensor([[0] * (width - len(ids[i])) + [1] * len(ids[i]) for i in rows], device=model.device)
-        out = model.generate(x, attention_mask=attn, max_new_tokens=max_new_tokens, do_sample=False,
-                             pad_token_id=eos, eos_token_id=eos)
+        sampling = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if temperature > 0 else \
+            dict(do_sample=False)
+        torch.manual_seed(seed * 1_000_003 + n)
+        out = model.generate(x, attention_mask=attn, max_new_tokens=max_new_tokens, pad_token_id=eos,
+                             eos_token_id=eos, **sampling)
         for i, row in zip(rows, out[:, width:].tolist()):
             answer = row[: row.index(eos) + 1] if eos in row else row
             samples[i] = {"input_ids": ids[i] + answer, "loss_mask": [0] * len(ids[i]) + [1] * len(answer)}

@@ -31,6 +31,7 @@ class SpecStats:
     rounds: int = 0
     new_tokens: int = 0  # produced by verify rounds (bonus included)
     accepted_at: list = field(default_factory=list)  # accepted_at[i]: rounds whose draft i+1 was accepted
+    history: list = field(default_factory=list)  # drafts accepted in each round, in order (one prompt's stats)
 
     def __post_init__(self):
         self.accepted_at = [0] * self.k
@@ -42,6 +43,7 @@ class SpecStats:
     def add(self, accepted: int) -> None:
         self.rounds += 1
         self.new_tokens += accepted + 1
+        self.history.append(accepted)
         for i in range(accepted):
             self.accepted_at[i] += 1
 
@@ -128,6 +130,31 @@ class SpeculativeDecoder:
         return self._finish(out[0, len(prompt_ids):].tolist(), max_new_tokens)
 
 
+def tau_of(rounds_per_prompt: list[list[int]], first_tokens: int = 0) -> dict:
+    """Acceptance length over the given prompts' rounds; with first_tokens > 0, only the rounds that start
+    within the first `first_tokens` new tokens (the early part of answers, before any repetition loop)."""
+    rounds = tokens = 0
+    for history in rounds_per_prompt:
+        done = 1  # the first new token comes from the prefill forward, before any round
+        for a in history:
+            if first_tokens and done >= first_tokens:
+                break
+            rounds, tokens, done = rounds + 1, tokens + a + 1, done + a + 1
+    return {"prompts": len(rounds_per_prompt), "rounds": rounds, "tau": tokens / rounds if rounds else None}
+
+
+def tau_breakdown(per_prompt: list[dict], max_new_tokens: int) -> dict:
+    """tau split by how the answer ended (eos: a natural end; cap: hit max_new_tokens, often a repetition
+    loop that is easy to draft) and over the first 64 / 128 new tokens of every answer."""
+    hist = [p["accepted_per_round"] for p in per_prompt]
+    out = {"ended_with_eos": tau_of([h for h, p in zip(hist, per_prompt) if p["ended_with_eos"]]),
+           "hit_cap": tau_of([h for h, p in zip(hist, per_prompt) if not p["ended_with_eos"]])}
+    for n in (64, 128):
+        if n < max_new_tokens:
+            out[f"first_{n}_tokens"] = tau_of(hist, first_tokens=n)
+    return out
+
+
 def evaluate(target, drafter, vocab, capture_layers, eos_id, prompts_ids: list[list[int]], max_new_tokens: int,
              k: int, check_greedy: bool = True) -> dict:
     """Speculate on every prompt, compare with plain greedy decoding (report["mismatches"]), aggregate tau.
@@ -139,7 +166,8 @@ def evaluate(target, drafter, vocab, capture_layers, eos_id, prompts_ids: list[l
     for i, ids in enumerate(prompts_ids):
         out, st = dec.generate(ids, max_new_tokens, k)
         total.merge(st)
-        rec = {"prompt": i, "new_tokens": len(out), "tau": st.tau}
+        rec = {"prompt": i, "new_tokens": len(out), "tau": st.tau, "ended_with_eos": bool(out) and out[-1] == eos_id,
+               "accepted_per_round": st.history}
         if check_greedy:
             ref = dec.greedy(ids, max_new_tokens)
             rec["identical_to_greedy"] = out == ref
@@ -149,6 +177,7 @@ def evaluate(target, drafter, vocab, capture_layers, eos_id, prompts_ids: list[l
         per_prompt.append(rec)
     report = total.to_dict()
     report.update({"prompts": len(prompts_ids), "max_new_tokens": max_new_tokens, "per_prompt": per_prompt,
+                   "tau_breakdown": tau_breakdown(per_prompt, max_new_tokens),
                    "identical_to_greedy": not mismatches if check_greedy else None, "mismatches": mismatches,
                    "seconds": round(time.time() - t0, 2)})
     return report
