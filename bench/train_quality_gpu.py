@@ -62,9 +62,9 @@ def generate(args, model_path: Path, work: Path, device: str, times: dict) -> Pa
     one datagen-style dataset folder per part: greedy answers first (S00, S01, ...), then --sampled-passes
     passes over the same prompts sampled at --temperature (T000, ...: more distinct contexts; the teacher is
     the target's own distribution at every position either way). With --gen-seconds, no new part starts
-    once the time spent plus the last part's duration would pass it, and with --gen-max-answer-tokens none once
-this run made that many answer tokens (states take 4 x hidden x 2 bytes a token on disk): the run trains on
-the parts done."""
+    once the time spent plus the last part's duration would pass it, and with --gen-max-answer-tokens none
+    once this run made that many answer tokens (states take 4 x hidden x 2 bytes a token on disk): the run
+    trains on the parts done."""
     prompts = sd.make_prompts(args.prompts)
     root = work / "datagen"
     parts = [(f"S{i // args.part_size:02d}", i, 0.0, 0) for i in range(0, len(prompts), args.part_size)]
@@ -188,7 +188,8 @@ def main() -> None:
         "answer_tokens": read_json(work / "merge" / "stats.json")["assistant_tokens_out"],
         "truncated": merged.get("truncated"),
         "extracted_tokens": sum(s["tokens"] for s in shards), "extract_tok_per_s": [s.get("tok_per_s") for s in shards],
-        "epochs": epochs, "draft_vocab": train["draft_vocab_size"], "steps": train["steps"], "first": train["first"], "last": train["last"],
+        "epochs": epochs, "draft_vocab": train["draft_vocab_size"], "steps": train["steps"], "first": train["first"],
+        "last": train["last"],
         "tau": ev["tau"], "tau_random_init": ev["tau_random_init"], "identical_to_greedy": ev["identical_to_greedy"],
         "lossless_failure": lossless_failure,
         "acceptance_rate_by_position": tr["acceptance_rate_by_position"], "accepted_at_least": tr["accepted_at_least"],
