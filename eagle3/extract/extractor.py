@@ -235,9 +235,10 @@ class _StateBuffers:
 
 
 class HostBufferPool:
-    """Host chunk buffers (pinned on a GPU run), made on demand up to `limit`. Pinning costs ~0.3 s a GB, so a
-    run pays for a buffer only when every made one is still in a writer's hands: a compute-bound run (few chunks
-    in flight) never makes the rest, and no pinning delays the first forward pass beyond the first buffer.
+    """Host chunk buffers (pinned on a GPU run), made on demand up to `limit`. Pinning page-locks every page of a
+    GB-sized buffer (not measured alone here; seconds for all of them), so a run pays for a buffer only when
+    every made one is still in a writer's hands: a compute-bound run (few chunks in flight) never makes the
+    rest, and no pinning delays the first forward pass beyond the first buffer.
     `get` runs on the compute thread only; writers `put` buffers back."""
 
     def __init__(self, limit: int, make):
