@@ -17,12 +17,15 @@ Llama shapes (SmolLM2-135M, Llama-3.2-1B, Llama-3.1-8B) built from a config on t
     python bench/extract_bench.py --models 135m,1b,8b --tokens 3e6,1e6,6e5 --out results.json
     python bench/extract_bench.py --models 135m,8b --tokens 3e6,6e5 --writers 6 --compile 135m,8b  # eager vs compiled
     python bench/extract_bench.py --models 8b --tokens 2e6 --writers 6 --compile 8b --fused 8b  # + fused-llama
+    python bench/extract_bench.py --models 8b --tokens 2e6 --writers 6 --compile 8b --no-eager --attention auto,cudnn
+    python bench/extract_bench.py --models 135m --tokens 4e6 --writers 6 --compile 135m --no-eager --rounds 3
     python bench/extract_bench.py --models real --device cpu --dtype bfloat16 --tokens 2e4 --min-len 64 --max-len 512
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import logging
 import os
@@ -78,6 +81,27 @@ def matmul_probe(device, dtype, n: int, reps: int) -> float:
         sync(device)
         times.append(time.perf_counter() - t)
     return 2 * n ** 3 / statistics.median(times)
+
+
+def matmul_sustained(device, dtype, n: int, seconds: float) -> dict:
+    """n^3 matmuls back to back for `seconds`, timed in groups of ~0.1 s: the rate the GPU holds once its
+    clocks settle under load (an H200 at its power limit clocks down within seconds of dense GEMM work), which
+    is what a minutes-long extraction gets, beside the first group's (burst) rate."""
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    a @ b
+    sync(device)
+    per_group = max(1, int(0.1 * 7e14 / (2 * n ** 3)))  # ~0.1 s at ~700 TFLOP/s
+    rates, t_end = [], time.perf_counter() + seconds
+    while time.perf_counter() < t_end:
+        t = time.perf_counter()
+        for _ in range(per_group):
+            a @ b
+        sync(device)
+        rates.append(per_group * 2 * n ** 3 / (time.perf_counter() - t))
+    half = rates[len(rates) // 2:]
+    return {"seconds": seconds, "groups": len(rates), "first_group": rates[0], "max_group": max(rates),
+            "sustained": statistics.median(half), "rates": [round(r / 1e12, 1) for r in rates]}
 
 
 def disk_probe(folder: Path, total_bytes: int, file_bytes: int, writers: int) -> float:
@@ -179,7 +203,7 @@ def run_naive(model, samples, layers, device, out_dir: Path, seconds: float) -> 
 
 def run_extractor(model, model_path, samples, layers, device, dtype_name, work: Path, budget: int,
                   writers: int, chunk_mb: int, storage: str = "auto", compile: bool = False,
-                  backend_name: str = "hf") -> dict:
+                  backend_name: str = "hf", attention: str = "auto") -> dict:
     merge = work / "merge"
     shutil.rmtree(work, ignore_errors=True)
     write_merged_dataset(merge, samples, rows_per_file=512)
@@ -189,8 +213,8 @@ def run_extractor(model, model_path, samples, layers, device, dtype_name, work: 
     cfg = ExtractConfig(model_path=model_path, extract_dir=str(work / "out"), capture_layers=layers,
                         device=str(device), dtype=dtype_name, token_budget=budget, chunk_mb=chunk_mb,
                         writer_threads=writers, log_every_s=5.0, storage_dtype=storage, compile=compile,
-                        backend=backend_name)
-    backend = BACKENDS[backend_name](model=model, compile=compile)
+                        backend=backend_name, attention=attention)
+    backend = BACKENDS[backend_name](model=model, compile=compile, attention=attention)
     t = time.perf_counter()
     out = extract_shard(cfg, spec, backend=backend, model_config=mc)
     wall = time.perf_counter() - t
@@ -198,6 +222,31 @@ def run_extractor(model, model_path, samples, layers, device, dtype_name, work: 
     out["wall_s"] = round(wall, 3)
     out["tok_per_s_wall"] = out["tokens"] / wall
     return out
+
+
+def interleaved_rounds(rounds: int, probe, extract, bytes_per_token: int) -> dict:
+    """probe, extract, probe, extract, ..., probe: each extraction run is measured against the mean of the disk
+    probes just before and after it, so a block device whose rate drifts within minutes (this one: 1.75-2.24
+    GB/s) is compared with itself at that time, not with a probe taken once at the start."""
+    probes, runs = [probe()], []
+    for i in range(rounds):
+        r = extract()
+        probes.append(probe())
+        disk = (probes[-2] + probes[-1]) / 2
+        limit = disk / bytes_per_token
+        runs.append({"tok_per_s_wall": r["tok_per_s_wall"], "steady_tok_per_s": r["steady_tok_per_s"],
+                     "wall_s": r["wall_s"], "tokens": r["tokens"], "bytes": r["bytes"],
+                     "disk_before": probes[-2], "disk_after": probes[-1], "disk_limit_tok_per_s": limit,
+                     "fraction_of_disk_limit": r["tok_per_s_wall"] / limit})
+        print(f"round {i}: {r['tok_per_s_wall']:.0f} tok/s wall ({r['bytes'] / r['wall_s'] / 1e9:.2f} GB/s), disk "
+              f"{probes[-2] / 1e9:.2f} -> {probes[-1] / 1e9:.2f} GB/s, {100 * runs[-1]['fraction_of_disk_limit']:.0f}% "
+              f"of the disk limit", flush=True)
+    tokens, wall = sum(r["tokens"] for r in runs), sum(r["wall_s"] for r in runs)
+    mean_disk = statistics.mean(probes)
+    return {"probes_bytes_per_s": probes, "runs": runs, "tok_per_s_wall": tokens / wall,
+            "disk_limit_tok_per_s": mean_disk / bytes_per_token,
+            "fraction_of_disk_limit": tokens / wall / (mean_disk / bytes_per_token),
+            "fraction_of_disk_limit_by_round": [r["fraction_of_disk_limit"] for r in runs]}
 
 
 def main(argv=None) -> int:
@@ -215,6 +264,8 @@ def main(argv=None) -> int:
     ap.add_argument("--naive-seconds", type=float, default=8.0)
     ap.add_argument("--disk-gb", type=float, default=6.0)
     ap.add_argument("--matmul-n", type=int, default=None)
+    ap.add_argument("--matmul-seconds", type=float, default=0.0, help="also probe the sustained matmul rate for "
+                    "this long, before each model and after its runs; the roofline then uses the mean of the two")
     ap.add_argument("--work-dir", default="bench_work")
     ap.add_argument("--real-path", default=None, help="HF folder of the real model (default: ensure_smollm2())")
     ap.add_argument("--fp8", default="", help="models also measured with fp8 storage (comma list)")
@@ -222,6 +273,10 @@ def main(argv=None) -> int:
                     "compiled run gets its own warm-up (compilation) first")
     ap.add_argument("--fused", default="", help="models also measured with backend='fused-llama', compiled "
                     "(comma list)")
+    ap.add_argument("--attention", default="auto", help="SDPA kernels the compiled/fused variants are measured with "
+                    "(comma list: auto, flash, cudnn, ...); each gets its own warm-up and compilation")
+    ap.add_argument("--rounds", type=int, default=0, help="then N more runs of the best variant, each between two "
+                    "disk probes (chunk size, writer threads of the run): the fraction against the disk at that time")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
@@ -281,6 +336,12 @@ def main(argv=None) -> int:
             lengths = np.array([len(s) for s in samples])
             flops = model_flops_per_sample(c, lengths)
             roofline = lengths.sum() / (flops / res["matmul_flops"])
+            sustained = []
+            if args.matmul_seconds and device.type == "cuda":
+                sustained.append(matmul_sustained(device, dtype, n, args.matmul_seconds))
+                print(f"[{name}] matmul sustained over {args.matmul_seconds:.0f} s: "
+                      f"{sustained[-1]['sustained'] / 1e12:.0f} TFLOP/s (first 0.1 s: "
+                      f"{sustained[-1]['first_group'] / 1e12:.0f})", flush=True)
             st_bytes = dtype.itemsize
             bpt = (len(layers) + 1) * c.hidden_size * st_bytes + 5
             disk_limit = disk / bpt
@@ -301,22 +362,26 @@ def main(argv=None) -> int:
                 writers_best = max(variants, key=lambda w: variants[w]["tok_per_s_wall"])
                 ext = dict(variants[writers_best], writer_threads=writers_best, compile=False)
             # compiled variants: the warm-up run pays the compilation, as each task would once
-            for label, backend_name, wanted in (("compiled", "hf", args.compile),
-                                                ("fused-llama", "fused-llama", args.fused)):
+            for (label, backend_name, wanted), attention in itertools.product(
+                    (("compiled", "hf", args.compile), ("fused-llama", "fused-llama", args.fused)),
+                    args.attention.split(",")):
                 if name not in wanted.split(","):
                     continue
+                label += "" if attention == "auto" else f"-{attention}"
+                torch._dynamo.reset()  # a compiled graph keeps the SDPA kernel it was traced with
                 t = time.perf_counter()
                 run_extractor(model, model_path, warm, layers, device, dtype_name, work / "ext", budget,
-                              writers_best, chunk_mb, compile=True, backend_name=backend_name)
+                              writers_best, chunk_mb, compile=True, backend_name=backend_name, attention=attention)
                 warm_s = time.perf_counter() - t
                 v = run_extractor(model, model_path, samples, layers, device, dtype_name, work / "ext", budget,
-                                  writers_best, chunk_mb, compile=True, backend_name=backend_name)
+                                  writers_best, chunk_mb, compile=True, backend_name=backend_name, attention=attention)
                 v["warmup_with_compile_s"] = round(warm_s, 1)
-                print(f"[{name}] {label}: {v['tok_per_s_wall']:.0f} tok/s wall (warm-up incl. compile "
-                      f"{warm_s:.0f} s)", flush=True)
+                print(f"[{name}] {label}: {v['tok_per_s_wall']:.0f} tok/s wall, {v['steady_tok_per_s']:.0f} between "
+                      f"first and last commit; setup {v.get('setup_s', 0):.1f} s, tail {v.get('tail_s', 0):.1f} s "
+                      f"of {v['wall_s']:.1f} s (warm-up incl. compile {warm_s:.0f} s)", flush=True)
                 variants[label] = v
                 if ext is None or v["tok_per_s_wall"] > ext["tok_per_s_wall"]:
-                    ext = dict(v, writer_threads=writers_best, compile=True, backend=backend_name)
+                    ext = dict(v, writer_threads=writers_best, compile=True, backend=backend_name, attention=attention)
             if ext is None:
                 raise ValueError("--no-eager leaves nothing to measure: name this model in --compile or --fused")
             limit = min(roofline, disk_limit)
@@ -346,6 +411,25 @@ def main(argv=None) -> int:
                 "fraction_of_limit": ext["tok_per_s_wall"] / limit,
                 "ratio_to_naive": ext["tok_per_s_wall"] / naive["tok_per_s"],
             }
+            if args.rounds:
+                kw = dict(compile=bool(ext.get("compile")), backend_name=ext.get("backend", "hf"),
+                          attention=ext.get("attention", "auto"))
+                w = int(ext["writer_threads"])
+                r["interleaved"] = interleaved_rounds(
+                    args.rounds, lambda: disk_probe(work / "disk", int(args.disk_gb * 1e9), chunk_mb << 20, w),
+                    lambda: run_extractor(model, model_path, samples, layers, device, dtype_name, work / "ext",
+                                          budget, w, chunk_mb, **kw), bpt)
+            if sustained:
+                sustained.append(matmul_sustained(device, dtype, n, args.matmul_seconds))
+                rate = statistics.mean(x["sustained"] for x in sustained)
+                roof_s = lengths.sum() / (flops / rate)
+                lim_s = min(roof_s, disk_limit)
+                r["matmul_sustained"] = {"probes": sustained, "flops": rate, "roofline_tok_per_s": roof_s,
+                                         "fraction_of_limit": ext["tok_per_s_wall"] / lim_s,
+                                         "steady_fraction_of_limit": ext["steady_tok_per_s"] / lim_s}
+                print(f"[{name}] against the sustained matmul rate ({sustained[0]['sustained'] / 1e12:.0f} before, "
+                      f"{sustained[1]['sustained'] / 1e12:.0f} TFLOP/s after): roofline {roof_s:.0f} tok/s -> "
+                      f"{100 * ext['tok_per_s_wall'] / lim_s:.0f}% of min(roofline, disk limit)", flush=True)
             if device.type == "cuda":
                 r["peak_gpu_mem_gb"] = torch.cuda.max_memory_allocated(device) / 1e9
                 torch.cuda.reset_peak_memory_stats(device)

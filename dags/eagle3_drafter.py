@@ -118,6 +118,8 @@ PARAMS = {
                            section="Extraction", description="Stored hidden-state dtype (auto = compute dtype)."),
     "extract_backend": Param("hf", enum=["hf", "fused-llama"], section="Extraction",
                              description="Forward pass: HF modules, or fused q/k/v and gate/up GEMMs (Llama family)."),
+    "extract_attention": Param("auto", enum=["auto", "flash", "cudnn", "efficient", "math"], section="Extraction",
+                               description="SDPA attention kernel of the extraction forward (auto: torch picks)."),
     # -- training and evaluation
     "ttt_steps": Param(7, type="integer", minimum=1, maximum=16, section="Training",
                        description="Training-time-test depth K."),
@@ -219,6 +221,7 @@ with DAG(
         token_budget="{{ params.token_budget }}",
         storage_dtype="{{ params.storage_dtype }}",
         backend="{{ params.extract_backend }}",
+        attention="{{ params.extract_attention }}",
         chunk_mb="{{ params.chunk_mb }}",
         retries=SHARD_RETRIES,  # a killed or faulted shard resumes from its last committed chunk
         max_active_tis_per_dagrun=64,

@@ -38,13 +38,13 @@ class ExtractShardOperator(BaseOperator):
 
     template_fields: Sequence[str] = ("shard", "model_path", "extract_dir", "capture_layers", "dtype",
                                       "token_budget", "chunk_mb", "device", "writer_threads", "storage_dtype",
-                                      "compile", "backend")
+                                      "compile", "backend", "attention")
     ui_color = "#f9d9d9"
 
     def __init__(self, *, shard: Any, model_path: str, extract_dir: str, capture_layers: Any = None,
                  dtype: str = "auto", token_budget: Any = 16384, chunk_mb: Any = 1024, device: str = "auto",
                  writer_threads: Any = 6, storage_dtype: str = "auto", compile: Any = "auto", backend: str = "hf",
-                 **kwargs):
+                 attention: str = "auto", **kwargs):
         super().__init__(**kwargs)
         self.shard = shard
         self.model_path = model_path
@@ -58,6 +58,7 @@ class ExtractShardOperator(BaseOperator):
         self.storage_dtype = storage_dtype
         self.compile = compile
         self.backend = backend
+        self.attention = attention
 
     def execute(self, context) -> dict:
         from eagle3.extract.extractor import ExtractConfig, extract_shard
@@ -74,6 +75,7 @@ class ExtractShardOperator(BaseOperator):
             storage_dtype=str(self.storage_dtype),
             compile=self.compile if isinstance(self.compile, bool) else str(self.compile),
             backend=str(self.backend),
+            attention=str(self.attention),
         )
         out = extract_shard(cfg, dict(rendered(self.shard)))
         self.log.info("shard %d: %d chunks, %d tokens, %.2f GB, %.0f tok/s%s", out["shard"], out["chunks"],

@@ -43,9 +43,19 @@ def test_param_defaults_are_valid_and_bad_values_are_rejected(dag):
     dag.params.validate()  # the defaults pass their own schema (the UI form starts valid)
     for name, bad, why in (("num_shards", 0, "less than the minimum"), ("run_name", "../escape", "does not match"),
                            ("cap_policy", "sometimes", "is not one of"), ("capture_layers", [-1], "less than"),
-                           ("datasets", [{"name": "A1"}], "'prompt_file' is a required property")):
+                           ("datasets", [{"name": "A1"}], "'prompt_file' is a required property"),
+                           ("extract_attention", "flash3", "is not one of")):
         with pytest.raises(ParamValidationError, match=why):
             dag.params.get_param(name).resolve(value=bad)
+
+
+def test_extraction_params_reach_the_mapped_operator(dag):
+    """The SDPA kernel and backend params are templated into every mapped extraction task."""
+    extract = dag.task_dict["extract"]
+    kwargs = extract.partial_kwargs
+    assert kwargs["attention"] == "{{ params.extract_attention }}"
+    assert kwargs["backend"] == "{{ params.extract_backend }}"
+    assert dag.params["extract_attention"] == "auto"
 
 
 def test_core_package_never_imports_airflow():

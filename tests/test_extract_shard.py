@@ -76,6 +76,8 @@ def test_states_equal_output_hidden_states_batched_and_unbatched(batched, datase
     _, samples, masks = dataset
     shard_dir, summary = batched
     assert summary["complete"] and summary["tokens"] == spec.tokens
+    # the wall time outside the steady state, as the summary splits it
+    assert 0 < summary["setup_s"] < summary["seconds"] and 0 < summary["tail_s"] < summary["seconds"]
     # token_budget=1: every sample alone, no padding
     single = extract_shard(config(smollm2_path, tmp_path, token_budget=1), spec)
     assert single["tokens"] == spec.tokens
@@ -269,6 +271,41 @@ def test_fused_llama_backend_equals_output_hidden_states(dataset, spec, smollm2_
     for row, (aux, final) in enumerate(reference):
         torch.testing.assert_close(got[row].aux_hidden, aux, rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(got[row].final_hidden, final, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("attention", ["math", "flash"])
+def test_pinned_attention_kernel_runs_and_gives_the_same_states(dataset, spec, smollm2_path, reference, tmp_path,
+                                                                  attention):
+    """attention='<kernel>' pins SDPA to that kernel for the whole forward (seen from inside a decoder layer),
+    and the states still equal a plain forward's."""
+    from eagle3.extract.backend import HFBackend
+
+    backend = HFBackend(attention=attention)
+    seen = []
+    orig_load = backend.load
+
+    def load(*a):
+        orig_load(*a)
+        backend.base.layers[3].register_forward_hook(
+            lambda *_: seen.append((torch.backends.cuda.math_sdp_enabled(), torch.backends.cuda.flash_sdp_enabled())))
+
+    backend.load = load
+    out = extract_shard(config(smollm2_path, tmp_path, attention=attention), spec, backend=backend)
+    assert out["complete"] and seen and set(seen) == {(attention == "math", attention == "flash")}
+    assert torch.backends.cuda.math_sdp_enabled() and torch.backends.cuda.flash_sdp_enabled()  # restored after
+    got = {s.row: s for s in HiddenStateReader([Path(out["shard_dir"])], verify=True)}
+    for row, (aux, final) in enumerate(reference):
+        torch.testing.assert_close(got[row].aux_hidden, aux, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(got[row].final_hidden, final, rtol=1e-4, atol=1e-4)
+
+
+def test_attention_param_rejects_unknown_and_cuda_only_kernels_on_cpu(tmp_path):
+    base = dict(model_path="m", extract_dir=str(tmp_path), device="cpu")
+    with pytest.raises(ConfigError, match=r"attention='flash3': use one of \['auto', 'flash', 'cudnn'"):
+        ExtractConfig(**base, attention="flash3").resolved()
+    with pytest.raises(ConfigError, match="attention='cudnn' needs a CUDA device, the run is on cpu"):
+        ExtractConfig(**base, attention="cudnn").resolved()
+    assert ExtractConfig(**{**base, "device": "cuda"}, attention="cudnn").resolved().attention == "cudnn"
 
 
 def test_fused_llama_backend_refuses_other_architectures_by_name(tmp_path):

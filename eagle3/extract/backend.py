@@ -11,6 +11,7 @@ output of decoder layer i-1. The final state is the last hidden state after the 
 
 from __future__ import annotations
 
+import contextlib
 from typing import Protocol
 
 import torch
@@ -21,6 +22,11 @@ from eagle3.models import ModelInfo, model_info, validate_capture_layers
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 GPU_DTYPES = ("bfloat16", "float16")
 CPU_DTYPES = ("float32", "bfloat16")
+# SDPA kernels a run can pin (`attention`); "auto" leaves the choice to torch, call by call. Which is fastest
+# depends on the GPU and the torch/cuDNN build (the H200 figures: docs/benchmarks.md).
+SDPA_KERNELS = {"auto": None, "flash": "FLASH_ATTENTION", "cudnn": "CUDNN_ATTENTION",
+                "efficient": "EFFICIENT_ATTENTION", "math": "MATH"}
+CUDA_ONLY_KERNELS = ("cudnn", "efficient")
 
 
 def check_dtype(dtype: str, device: str) -> torch.dtype:
@@ -28,6 +34,36 @@ def check_dtype(dtype: str, device: str) -> torch.dtype:
     if dtype not in allowed:
         raise ConfigError(f"dtype={dtype!r} is not supported on {device}: use one of {list(allowed)}")
     return DTYPES[dtype]
+
+
+def check_attention(attention: str, device: str) -> None:
+    if attention not in SDPA_KERNELS:
+        raise ConfigError(f"attention={attention!r}: use one of {list(SDPA_KERNELS)}")
+    if attention in CUDA_ONLY_KERNELS and not str(device).startswith("cuda"):
+        raise ConfigError(f"attention={attention!r} needs a CUDA device, the run is on {device}: use 'auto'")
+
+
+def sdpa_context(attention: str):
+    """The context a forward runs in so that every SDPA call uses the `attention` kernel. torch.compile picks
+    the kernel while tracing, so the first (tracing) call must run inside it too, as `capture` does."""
+    if SDPA_KERNELS[attention] is None:
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([getattr(SDPBackend, SDPA_KERNELS[attention])])
+
+
+@contextlib.contextmanager
+def pinned_attention(attention: str, device):
+    """`sdpa_context`, with torch's "no available kernel" turned into an error that names the param."""
+    try:
+        with sdpa_context(attention):
+            yield
+    except RuntimeError as e:
+        if attention != "auto" and "no available kernel" in str(e).lower():
+            raise ConfigError(f"attention={attention!r}: torch has no {attention} SDPA kernel for this model's "
+                              f"attention on {device} ({str(e).splitlines()[0]}); use attention='auto'") from e
+        raise
 
 
 class ExtractionBackend(Protocol):
@@ -81,15 +117,17 @@ class HFBackend:
     fused causal path.
     """
 
-    def __init__(self, model=None, info: ModelInfo | None = None, compile: bool = False):
+    def __init__(self, model=None, info: ModelInfo | None = None, compile: bool = False, attention: str = "auto"):
         self.model = model  # a preloaded *ForCausalLM (the benchmark builds random-weight ones)
         self.info = info
         self.compile = compile
+        self.attention = attention  # SDPA kernel: a key of SDPA_KERNELS
         self._captured: dict[int, torch.Tensor] = {}
         self._hooks = []
 
     # -- setup --------------------------------------------------------------------------
     def load(self, model_path: str, dtype: str, device: str, capture_layers: list[int]) -> None:
+        check_attention(self.attention, device)
         load_decoder(self, model_path, dtype, device, capture_layers)
         layers = self.base.layers
         for h in self._hooks:
@@ -121,7 +159,8 @@ class HFBackend:
     @torch.inference_mode()
     def capture(self, input_ids: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
         self._captured.clear()
-        out = self.base(input_ids=input_ids, use_cache=False)
+        with pinned_attention(self.attention, self.device):
+            out = self.base(input_ids=input_ids, use_cache=False)
         aux = [self._captured.pop(i) for i in self.capture_layers]
         return aux, out.last_hidden_state
 

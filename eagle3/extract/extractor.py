@@ -32,7 +32,7 @@ import torch
 
 from eagle3.faults import ENV_VAR as FAULT_ENV, InjectedFault, maybe_inject_fault  # noqa: F401
 from eagle3.errors import ConfigError, PipelineError
-from eagle3.extract.backend import DTYPES, ExtractionBackend, HFBackend
+from eagle3.extract.backend import DTYPES, ExtractionBackend, HFBackend, check_attention
 from eagle3.extract.fused_llama import FusedLlamaBackend
 from eagle3.extract.format import ChunkRecord, CorruptChunkError, ShardManifest, load_chunk, write_chunk
 from eagle3.extract.plan import ShardSpec
@@ -72,6 +72,7 @@ class ExtractConfig:
     # the first batch pays 13-25 s of compilation), off on CPU
     compile: bool | str = "auto"
     backend: str = "hf"  # "hf": HF transformers modules; "fused-llama": fused q/k/v and gate/up GEMMs (Llama family)
+    attention: str = "auto"  # SDPA kernel: auto (torch picks), flash, cudnn, efficient, math
 
     def resolved(self) -> "ExtractConfig":
         c = ExtractConfig(**asdict(self))
@@ -88,6 +89,7 @@ class ExtractConfig:
             c.compile = low == "true"
         if c.backend not in BACKENDS:
             raise ConfigError(f"backend={c.backend!r}: use one of {list(BACKENDS)}")
+        check_attention(c.attention, c.device)
         if c.storage_dtype == "auto":
             c.storage_dtype = c.dtype
         if c.storage_dtype not in STORAGE_DTYPES:
@@ -359,8 +361,15 @@ class ShardExtractor:
         if "first_commit" in p and p["last_commit"][0] > p["first_commit"][0]:
             (t0, n0), (t1, n1) = p["first_commit"], p["last_commit"]
             steady = (n1 - n0) / (t1 - t0)
+        # where the wall time outside the steady state goes: before the first forward (data, model, buffers),
+        # and after the last batch is enqueued (its forward, copies and the last chunks' writes)
+        timeline = {}
+        if "first_forward" in p:
+            timeline["setup_s"] = round(p["first_forward"] - self._t_run0, 3)
+        if "loop_end" in p:
+            timeline["tail_s"] = round(self._t_run0 + seconds - p["loop_end"], 3)
         return {
-            "steady_tok_per_s": round(steady, 1),
+            "steady_tok_per_s": round(steady, 1), **timeline,
             "shard": self.spec.shard, "shard_dir": str(self.shard_dir), "complete": m.complete,
             "chunks": len(m.chunks), "tokens": m.tokens, "samples": m.samples,
             "bytes": sum(c.bytes for c in m.chunks), "seconds": round(seconds, 3),
@@ -370,7 +379,7 @@ class ShardExtractor:
 
     # -- run ------------------------------------------------------------------------------
     def run(self) -> dict:
-        t0 = time.perf_counter()
+        t0 = self._t_run0 = time.perf_counter()
         self.shard_dir.mkdir(parents=True, exist_ok=True)
         remove_stale_temps(self.shard_dir)
         m = self._open_manifest()
@@ -402,7 +411,8 @@ class ShardExtractor:
 
     def _load_backend(self):
         if self.backend is None:
-            self.backend = BACKENDS[self.cfg.backend](info=self.info, compile=self.cfg.compile)
+            self.backend = BACKENDS[self.cfg.backend](info=self.info, compile=self.cfg.compile,
+                                                      attention=self.cfg.attention)
         self.backend.load(self.cfg.model_path, self.cfg.dtype, self.cfg.device, self.capture_layers)
         return self.backend
 
@@ -459,6 +469,7 @@ class ShardExtractor:
                     st = staging[step % 2]
                     step += 1
                     try:
+                        self._progress.setdefault("first_forward", time.perf_counter())
                         aux, final = backend.capture(ids_t)
                         if cuda:
                             torch.cuda.current_stream(dev).wait_event(st.event)  # its last copy-out is done
@@ -495,6 +506,7 @@ class ShardExtractor:
                 futures.append(writers.submit(self._write_chunk, ci, buf, pos, order, data, pool))
                 self._raise_if_failed()
                 self._maybe_log(total_tokens)
+            self._progress["loop_end"] = time.perf_counter()
             for f in futures:
                 f.result()
             self._raise_if_failed()

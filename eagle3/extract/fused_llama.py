@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from eagle3.errors import ConfigError
-from eagle3.extract.backend import load_decoder
+from eagle3.extract.backend import check_attention, load_decoder, pinned_attention
 from eagle3.models import ModelInfo
 
 
@@ -65,12 +65,14 @@ def decoder_layer(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ln1: to
 class FusedLlamaBackend:
     """`ExtractionBackend` for Llama-family models with fused q/k/v and gate/up weights (see module doc)."""
 
-    def __init__(self, model=None, info: ModelInfo | None = None, compile: bool = False):
+    def __init__(self, model=None, info: ModelInfo | None = None, compile: bool = False, attention: str = "auto"):
         self.model = model  # a preloaded *ForCausalLM (the benchmark's random-weight ones); else loaded from the path
         self.info = info
         self.compile = compile
+        self.attention = attention  # SDPA kernel: a key of eagle3.extract.backend.SDPA_KERNELS
 
     def load(self, model_path: str, dtype: str, device: str, capture_layers: list[int]) -> None:
+        check_attention(self.attention, device)
         owned = self.model is None
         load_decoder(self, model_path, dtype, device, capture_layers)
         cfg, base = self.model.config.get_text_config(), self.base
@@ -118,6 +120,10 @@ class FusedLlamaBackend:
 
     @torch.inference_mode()
     def capture(self, input_ids: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
+        with pinned_attention(self.attention, self.device):
+            return self._forward(input_ids)
+
+    def _forward(self, input_ids: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
         B, L = input_ids.shape
         x = self.embed(input_ids)
         positions = torch.arange(L, device=x.device).unsqueeze(0).expand(B, L)

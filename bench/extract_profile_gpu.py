@@ -1,0 +1,198 @@
+"""Where an extraction forward pass spends its GPU time: GEMMs, attention, the rest.
+
+For one Llama shape (random weights, built on the device) and a few batch shapes of one token budget, in one
+process, against the machine's own 8192^3 bf16 matmul rate:
+  - the decoder's GEMMs alone (each projection at M = batch tokens, as HF runs them, and fused q/k/v, gate/up),
+  - causal attention alone, per SDPA kernel (flash, cudnn, efficient), at the model's head layout,
+  - the whole capture forward (`HFBackend.capture`: hooks, no lm_head), eager and compiled, per SDPA kernel,
+  - a torch.profiler table of one compiled forward, kernels grouped into GEMM / attention / Triton / other.
+It prints a table and writes JSON; it changes nothing. The figures decide `ExtractConfig.attention`'s default
+(docs/benchmarks.md).
+
+    python3 bench/extract_profile_gpu.py --model 8b --shapes 4x8192,8x4096,32x1024,128x256 --out prof.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from extract_bench import build_model, matmul_probe, model_flops_per_sample  # noqa: E402
+
+from eagle3.extract.backend import HFBackend, sdpa_context  # noqa: E402
+
+
+def gpu_time(fn, reps: int) -> float:
+    """Median seconds of `fn` over `reps` runs after one warm-up, timed with CUDA events."""
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1e3)
+    return statistics.median(times)
+
+
+def gemm_table(model, tokens: int, reps: int) -> dict:
+    """Seconds and TFLOP/s of each decoder-layer projection at M = tokens, and the whole stack's GEMM time."""
+    layer = model.model.layers[0]
+    att, mlp = layer.self_attn, layer.mlp
+    weights = {"q": att.q_proj.weight, "k": att.k_proj.weight, "v": att.v_proj.weight, "o": att.o_proj.weight,
+               "gate": mlp.gate_proj.weight, "up": mlp.up_proj.weight, "down": mlp.down_proj.weight}
+    weights["qkv_fused"] = torch.cat([weights["q"], weights["k"], weights["v"]])
+    weights["gate_up_fused"] = torch.cat([weights["gate"], weights["up"]])
+    out = {}
+    for name, w in weights.items():
+        x = torch.randn(tokens, w.shape[1], device=w.device, dtype=w.dtype)
+        s = gpu_time(lambda: F.linear(x, w), reps)
+        out[name] = {"shape": [tokens, w.shape[1], w.shape[0]], "s": s, "tflops": 2 * tokens * w.numel() / s / 1e12}
+    n = model.config.num_hidden_layers
+    out["stack_s"] = n * sum(out[k]["s"] for k in ("q", "k", "v", "o", "gate", "up", "down"))
+    out["stack_fused_s"] = n * sum(out[k]["s"] for k in ("qkv_fused", "o", "gate_up_fused", "down"))
+    return out
+
+
+def attention_table(cfg, B: int, L: int, reps: int, device, dtype) -> dict:
+    """Causal SDPA at the model's head layout, per kernel; TFLOP/s counts the causal half only."""
+    hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    h, kv = cfg.num_attention_heads, cfg.num_key_value_heads
+    q = torch.randn(B, h, L, hd, device=device, dtype=dtype)
+    k = torch.randn(B, kv, L, hd, device=device, dtype=dtype)
+    v = torch.randn(B, kv, L, hd, device=device, dtype=dtype)
+    flops = 4.0 * B * h * hd * L * (L + 1) / 2
+    out = {}
+    for name in ("flash", "cudnn", "efficient"):
+        for gqa in (True, False):
+            kk, vv = (k, v) if gqa else (k.repeat_interleave(h // kv, 1), v.repeat_interleave(h // kv, 1))
+            key = f"{name}{'' if gqa else '_repeat_kv'}"
+            try:
+                with sdpa_context(name):
+                    s = gpu_time(lambda: F.scaled_dot_product_attention(q, kk, vv, is_causal=True, enable_gqa=gqa), reps)
+                out[key] = {"s_per_layer": s, "tflops": flops / s / 1e12}
+            except RuntimeError as e:
+                out[key] = {"error": str(e).splitlines()[0][:200]}
+    return out
+
+
+def forward_time(backend, B: int, L: int, vocab: int, reps: int, device) -> float:
+    ids = torch.randint(3, vocab, (B, L), device=device)
+    return gpu_time(lambda: backend.capture(ids), reps)
+
+
+def profile_table(backend, B: int, L: int, vocab: int, device) -> dict:
+    from torch.profiler import ProfilerActivity, profile
+
+    ids = torch.randint(3, vocab, (B, L), device=device)
+    backend.capture(ids)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        backend.capture(ids)
+        torch.cuda.synchronize()
+    groups, kernels = {"gemm": 0.0, "attention": 0.0, "triton": 0.0, "copy/other": 0.0}, []
+    for e in prof.key_averages():
+        t = getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
+        if t <= 0:
+            continue
+        n = e.key.lower()
+        if any(s in n for s in ("gemm", "nvjet", "cutlass", "xmma", "sm90_")):
+            g = "gemm"
+        elif any(s in n for s in ("flash", "fmha", "cudnn", "attention", "sdpa")):
+            g = "attention"
+        elif "triton" in n:
+            g = "triton"
+        else:
+            g = "copy/other"
+        groups[g] += t / 1e6
+        kernels.append((t / 1e6, g, e.key[:120], e.count))
+    kernels.sort(reverse=True)
+    return {"groups_s": groups, "top": [{"s": k[0], "group": k[1], "name": k[2], "count": k[3]} for k in kernels[:25]]}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="8b")
+    ap.add_argument("--shapes", default="4x8192,8x4096,32x1024,128x256", help="BxL batch shapes (comma list)")
+    ap.add_argument("--attention", default="auto,flash,cudnn", help="SDPA kernels for the whole forward")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--profile-shape", default="8x4096")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    device, dtype = torch.device("cuda"), torch.bfloat16
+    res = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "argv": sys.argv[1:], "torch": torch.__version__,
+           "cudnn": torch.backends.cudnn.version(), "device": torch.cuda.get_device_name(device)}
+    res["matmul_flops"] = peak = matmul_probe(device, dtype, 8192, reps=20)
+    print(f"matmul bf16 8192^3: {peak / 1e12:.0f} TFLOP/s", flush=True)
+
+    def save():
+        if args.out:
+            Path(args.out).write_text(json.dumps(res, indent=2))
+
+    model, _ = build_model(args.model, device, dtype, None)
+    cfg, L_layers = model.config, model.config.num_hidden_layers
+    layers = [2, L_layers // 2, L_layers - 3]
+    shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
+    tokens = shapes[0][0] * shapes[0][1]
+    res["gemm"] = g = gemm_table(model, tokens, reps=10)
+    print(f"GEMMs at M={tokens}: " + ", ".join(f"{k} {v['tflops']:.0f}" for k, v in g.items() if isinstance(v, dict))
+          + f" TFLOP/s; the stack {g['stack_s'] * 1e3:.0f} ms ({g['stack_fused_s'] * 1e3:.0f} ms fused)", flush=True)
+    res["shapes"] = {}
+    for B, L in shapes:
+        key = f"{B}x{L}"
+        flops = model_flops_per_sample(cfg, np.full(B, L))
+        a = attention_table(cfg, B, L, args.reps, device, dtype)
+        res["shapes"][key] = {"tokens": B * L, "model_flops": flops, "roofline_s": flops / peak, "attention": a}
+        print(f"[{key}] roofline {flops / peak * 1e3:.0f} ms; attention per layer: " + ", ".join(
+            f"{k} {v['tflops']:.0f} TFLOP/s" if "tflops" in v else f"{k} n/a" for k, v in a.items()), flush=True)
+        save()
+    for compile in (False, True):
+        for att in args.attention.split(","):
+            torch._dynamo.reset()  # a compiled graph keeps the SDPA kernel it was traced with
+            backend = HFBackend(model=model, compile=compile, attention=att)
+            backend.load("random", "bfloat16", "cuda", layers)
+            label = f"{'compiled' if compile else 'eager'}-{att}"
+            for B, L in shapes:
+                r = res["shapes"][f"{B}x{L}"]
+                try:
+                    t = time.perf_counter()
+                    s = forward_time(backend, B, L, cfg.vocab_size, args.reps, device)
+                    r[label] = {"s": s, "tok_per_s": B * L / s, "fraction_of_roofline": r["roofline_s"] / s,
+                                "first_call_s": round(time.perf_counter() - t - (args.reps + 1) * s, 1)}
+                    print(f"[{B}x{L}] {label}: {s * 1e3:.0f} ms, {B * L / s:.0f} tok/s, "
+                          f"{100 * r['roofline_s'] / s:.0f}% of roofline", flush=True)
+                except Exception as e:  # one kernel missing must not lose the other figures
+                    r[label] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}
+                    print(f"[{B}x{L}] {label}: {r[label]['error']}", flush=True)
+            if compile and args.profile_shape:
+                B, L = (int(v) for v in args.profile_shape.split("x"))
+                try:
+                    p = profile_table(backend, B, L, cfg.vocab_size, device)
+                    res.setdefault("profile", {})[label] = p
+                    print(f"profile {label} {args.profile_shape}: " + ", ".join(
+                        f"{k} {v * 1e3:.0f} ms" for k, v in p["groups_s"].items()), flush=True)
+                    for k in p["top"][:12]:
+                        print(f"   {k['s'] * 1e3:7.1f} ms  {k['count']:4d}x  {k['group']:10s} {k['name']}", flush=True)
+                except Exception as e:
+                    res.setdefault("profile", {})[label] = {"error": f"{type(e).__name__}: {e}"}
+            backend.close()
+            save()
+    save()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
