@@ -109,12 +109,14 @@ def profile_table(backend, B: int, L: int, vocab: int, device) -> dict:
         if t <= 0:
             continue
         n = e.key.lower()
-        if any(s in n for s in ("gemm", "nvjet", "cutlass", "xmma", "sm90_")):
-            g = "gemm"
-        elif any(s in n for s in ("flash", "fmha", "cudnn", "attention", "sdpa")):
-            g = "attention"
-        elif "triton" in n:
+        # Triton first: Inductor names its fused RoPE kernels after the SDPA op they feed; cuDNN's attention
+        # kernel is named "..._sdpa_sm90_flash_fprop_wgmma...", so attention before GEMM
+        if n.startswith("triton"):
             g = "triton"
+        elif any(s in n for s in ("flash", "fmha", "sdpa", "attention")):
+            g = "attention"
+        elif any(s in n for s in ("gemm", "nvjet", "cutlass", "xmma", "sm90_")):
+            g = "gemm"
         else:
             g = "copy/other"
         groups[g] += t / 1e6

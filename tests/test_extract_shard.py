@@ -306,6 +306,15 @@ def test_attention_param_rejects_unknown_and_cuda_only_kernels_on_cpu(tmp_path):
     with pytest.raises(ConfigError, match="attention='cudnn' needs a CUDA device, the run is on cpu"):
         ExtractConfig(**base, attention="cudnn").resolved()
     assert ExtractConfig(**{**base, "device": "cuda"}, attention="cudnn").resolved().attention == "cudnn"
+    # a pinned kernel that cannot run the call (flash on the CPU, 4 query heads over 2 KV heads without
+    # enable_gqa) names the param instead of torch's bare "No available kernel"
+    from eagle3.extract.backend import pinned_attention
+
+    q, kv = torch.randn(1, 4, 8, 16), torch.randn(1, 2, 8, 16)
+    with pytest.raises(ConfigError, match=r"attention='flash': torch has no flash SDPA kernel .* on cpu .*"
+                                          r"use attention='auto'"):
+        with pinned_attention("flash", "cpu"):
+            torch.nn.functional.scaled_dot_product_attention(q, kv, kv, is_causal=True)
 
 
 def test_fused_llama_backend_refuses_other_architectures_by_name(tmp_path):
