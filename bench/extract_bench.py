@@ -309,14 +309,13 @@ def main(argv=None) -> int:
             key = f"{w}_writers" if len(set(chunk_mbs)) == 1 else f"{w}_writers_{mb}mb"
             probes[key] = disk_probe(work / "disk", int(args.disk_gb * 1e9), mb << 20, writers=w)
     res["disk_bytes_per_s"] = probes
-    d2 = max(probes.values())
+    disk = max(probes.values())
     import hashlib
     blob = np.random.default_rng(1).integers(0, 255, 256 << 20, dtype=np.uint8).tobytes()
     t = time.perf_counter()
     hashlib.sha256(blob).hexdigest()
     res["sha256_bytes_per_s"] = len(blob) / (time.perf_counter() - t)
     print(f"sha256 (one thread): {res['sha256_bytes_per_s'] / 1e9:.2f} GB/s", flush=True)
-    disk = d2
     print("disk write+fsync: " + ", ".join(f"{v / 1e9:.2f} GB/s ({k})" for k, v in probes.items()), flush=True)
 
     for name, n_tok, budget, chunk_mb in zip(models, tokens, budgets, chunk_mbs):

@@ -56,6 +56,12 @@ def test_extraction_params_reach_the_mapped_operator(dag):
     assert kwargs["attention"] == "{{ params.extract_attention }}"
     assert kwargs["backend"] == "{{ params.extract_backend }}"
     assert dag.params["extract_attention"] == "auto"
+    # the DAG spells the choices out (it must not import torch to be parsed); they stay those the core accepts
+    from eagle3.extract.backend import SDPA_KERNELS
+    from eagle3.extract.extractor import BACKENDS
+
+    assert dag.params.get_param("extract_attention").schema["enum"] == list(SDPA_KERNELS)
+    assert dag.params.get_param("extract_backend").schema["enum"] == list(BACKENDS)
 
 
 def test_core_package_never_imports_airflow():
