@@ -19,6 +19,8 @@ Llama shapes (SmolLM2-135M, Llama-3.2-1B, Llama-3.1-8B) built from a config on t
     python bench/extract_bench.py --models 8b --tokens 2e6 --writers 6 --compile 8b --fused 8b  # + fused-llama
     python bench/extract_bench.py --models 8b --tokens 2e6 --writers 6 --compile 8b --no-eager --attention auto,cudnn
     python bench/extract_bench.py --models 135m --tokens 4e6 --writers 6 --compile 135m --no-eager --rounds 3
+    python bench/extract_bench.py --models 135m --tokens 4e6 --writers 6 --compile 135m --no-eager --rounds 3 \
+        --round-probe-gb 18 --commit-baseline   # the committer thread vs writers that wait for their turn
     python bench/extract_bench.py --models real --device cpu --dtype bfloat16 --tokens 2e4 --min-len 64 --max-len 512
 """
 
@@ -42,7 +44,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from eagle3.extract.extractor import BACKENDS, ExtractConfig, extract_shard  # noqa: E402
+from eagle3.extract.extractor import BACKENDS, ExtractConfig, ShardExtractor  # noqa: E402
 from eagle3.extract.plan import plan_shards  # noqa: E402
 from eagle3.extract.synthetic import write_merged_dataset  # noqa: E402
 
@@ -201,9 +203,22 @@ def run_naive(model, samples, layers, device, out_dir: Path, seconds: float) -> 
     return {"tokens": tokens, "samples": i, "seconds": round(dt, 3), "tok_per_s": tokens / dt}
 
 
+class WriterWaitsForItsCommit(ShardExtractor):
+    """The baseline of the commit path (until 2026-12-03, fifth session): a writer thread, once its chunk's file
+    was complete, held itself until the chunks before it were committed and then committed its own, so one slow
+    fsync left the writers of the chunks after it idle. Now they hand the chunk to the committer thread and take
+    the next one; this subclass waits where the old writer waited."""
+
+    def _hand_off(self, ci, rec):
+        super()._hand_off(ci, rec)
+        with self._lock:
+            while self._next_commit <= ci and self._error is None:
+                self._lock.wait()
+
+
 def run_extractor(model, model_path, samples, layers, device, dtype_name, work: Path, budget: int,
                   writers: int, chunk_mb: int, storage: str = "auto", compile: bool = False,
-                  backend_name: str = "hf", attention: str = "auto") -> dict:
+                  backend_name: str = "hf", attention: str = "auto", extractor=ShardExtractor) -> dict:
     merge = work / "merge"
     shutil.rmtree(work, ignore_errors=True)
     write_merged_dataset(merge, samples, rows_per_file=512)
@@ -216,7 +231,7 @@ def run_extractor(model, model_path, samples, layers, device, dtype_name, work: 
                         backend=backend_name, attention=attention)
     backend = BACKENDS[backend_name](model=model, compile=compile, attention=attention)
     t = time.perf_counter()
-    out = extract_shard(cfg, spec, backend=backend, model_config=mc)
+    out = extractor(cfg, spec, backend=backend, model_config=mc).run()
     wall = time.perf_counter() - t
     shutil.rmtree(work, ignore_errors=True)
     out["wall_s"] = round(wall, 3)
@@ -224,29 +239,35 @@ def run_extractor(model, model_path, samples, layers, device, dtype_name, work: 
     return out
 
 
-def interleaved_rounds(rounds: int, probe, extract, bytes_per_token: int) -> dict:
+def interleaved_rounds(rounds: int, probe, extracts: dict, bytes_per_token: int) -> dict:
     """probe, extract, probe, extract, ..., probe: each extraction run is measured against the mean of the disk
-    probes just before and after it, so a block device whose rate drifts within minutes (this one: 1.75-2.24
-    GB/s) is compared with itself at that time, not with a probe taken once at the start."""
+    probes just before and after it, so a block device whose rate drifts within minutes (this one: 1.67-2.24
+    GB/s) is compared with itself at that time, not with a probe taken once at the start. With several variants
+    (`extracts`: label -> run), each round runs each of them in turn, every run between two probes."""
     probes, runs = [probe()], []
     for i in range(rounds):
-        r = extract()
-        probes.append(probe())
-        disk = (probes[-2] + probes[-1]) / 2
-        limit = disk / bytes_per_token
-        runs.append({"tok_per_s_wall": r["tok_per_s_wall"], "steady_tok_per_s": r["steady_tok_per_s"],
-                     "wall_s": r["wall_s"], "tokens": r["tokens"], "bytes": r["bytes"],
-                     "disk_before": probes[-2], "disk_after": probes[-1], "disk_limit_tok_per_s": limit,
-                     "fraction_of_disk_limit": r["tok_per_s_wall"] / limit})
-        print(f"round {i}: {r['tok_per_s_wall']:.0f} tok/s wall ({r['bytes'] / r['wall_s'] / 1e9:.2f} GB/s), disk "
-              f"{probes[-2] / 1e9:.2f} -> {probes[-1] / 1e9:.2f} GB/s, {100 * runs[-1]['fraction_of_disk_limit']:.0f}% "
-              f"of the disk limit", flush=True)
-    tokens, wall = sum(r["tokens"] for r in runs), sum(r["wall_s"] for r in runs)
-    mean_disk = statistics.mean(probes)
-    return {"probes_bytes_per_s": probes, "runs": runs, "tok_per_s_wall": tokens / wall,
-            "disk_limit_tok_per_s": mean_disk / bytes_per_token,
-            "fraction_of_disk_limit": tokens / wall / (mean_disk / bytes_per_token),
-            "fraction_of_disk_limit_by_round": [r["fraction_of_disk_limit"] for r in runs]}
+        for label, extract in extracts.items():
+            r = extract()
+            probes.append(probe())
+            limit = (probes[-2] + probes[-1]) / 2 / bytes_per_token
+            runs.append({"variant": label, "tok_per_s_wall": r["tok_per_s_wall"],
+                         "steady_tok_per_s": r["steady_tok_per_s"], "wall_s": r["wall_s"], "tokens": r["tokens"],
+                         "bytes": r["bytes"], "disk_before": probes[-2], "disk_after": probes[-1],
+                         "disk_limit_tok_per_s": limit, "fraction_of_disk_limit": r["tok_per_s_wall"] / limit})
+            print(f"round {i} {label}: {r['tok_per_s_wall']:.0f} tok/s wall ({r['bytes'] / r['wall_s'] / 1e9:.2f} "
+                  f"GB/s), disk {probes[-2] / 1e9:.2f} -> {probes[-1] / 1e9:.2f} GB/s, "
+                  f"{100 * runs[-1]['fraction_of_disk_limit']:.0f}% of the disk limit", flush=True)
+    by_variant = {}
+    for label in extracts:
+        mine = [r for r in runs if r["variant"] == label]
+        tokens, wall = sum(r["tokens"] for r in mine), sum(r["wall_s"] for r in mine)
+        # the disk limit of a variant: its runs' neighbouring probes, weighted by each run's wall time
+        limit = sum(r["disk_limit_tok_per_s"] * r["wall_s"] for r in mine) / wall
+        by_variant[label] = {"tok_per_s_wall": tokens / wall, "disk_limit_tok_per_s": limit,
+                             "fraction_of_disk_limit": tokens / wall / limit}
+        print(f"{label}: {tokens / wall:.0f} tok/s over {len(mine)} runs, "
+              f"{100 * tokens / wall / limit:.1f}% of the disk limit around them", flush=True)
+    return {"probes_bytes_per_s": probes, "runs": runs, "variants": by_variant}
 
 
 def main(argv=None) -> int:
@@ -277,6 +298,10 @@ def main(argv=None) -> int:
                     "(comma list: auto, flash, cudnn, ...); each gets its own warm-up and compilation")
     ap.add_argument("--rounds", type=int, default=0, help="then N more runs of the best variant, each between two "
                     "disk probes (chunk size, writer threads of the run): the fraction against the disk at that time")
+    ap.add_argument("--round-probe-gb", type=float, default=None, help="bytes each probe between rounds writes "
+                    "(default --disk-gb); about what one run writes, so a probe and a run last alike")
+    ap.add_argument("--commit-baseline", action="store_true", help="in each round, also run the commit path's "
+                    "baseline (writers wait for their chunk's turn to commit) beside the extractor")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
@@ -414,10 +439,16 @@ def main(argv=None) -> int:
                 kw = dict(compile=bool(ext.get("compile")), backend_name=ext.get("backend", "hf"),
                           attention=ext.get("attention", "auto"))
                 w = int(ext["writer_threads"])
+                run = lambda extractor: run_extractor(model, model_path, samples, layers, device,  # noqa: E731
+                                                      dtype_name, work / "ext", budget, w, chunk_mb,
+                                                      extractor=extractor, **kw)
+                extracts = {"extractor": lambda: run(ShardExtractor)}
+                if args.commit_baseline:
+                    extracts["writer-waits-for-commit"] = lambda: run(WriterWaitsForItsCommit)
+                probe_gb = args.round_probe_gb or args.disk_gb
                 r["interleaved"] = interleaved_rounds(
-                    args.rounds, lambda: disk_probe(work / "disk", int(args.disk_gb * 1e9), chunk_mb << 20, w),
-                    lambda: run_extractor(model, model_path, samples, layers, device, dtype_name, work / "ext",
-                                          budget, w, chunk_mb, **kw), bpt)
+                    args.rounds, lambda: disk_probe(work / "disk", int(probe_gb * 1e9), chunk_mb << 20, w),
+                    extracts, bpt)
             if sustained:
                 sustained.append(matmul_sustained(device, dtype, n, args.matmul_seconds))
                 rate = statistics.mean(x["sustained"] for x in sustained)

@@ -111,7 +111,9 @@ def profile_table(backend, B: int, L: int, vocab: int, device) -> dict:
         n = e.key.lower()
         # Triton first: Inductor names its fused RoPE kernels after the SDPA op they feed; cuDNN's attention
         # kernel is named "..._sdpa_sm90_flash_fprop_wgmma...", so attention before GEMM
-        if n.startswith("triton"):
+        if n.startswith("triton") and ("_tem_" in n or "mm" in n.split("_")):
+            g = "gemm"  # an Inductor GEMM template (max-autotune), with whatever it fused into its epilogue
+        elif n.startswith("triton"):
             g = "triton"
         elif any(s in n for s in ("flash", "fmha", "sdpa", "attention")):
             g = "attention"
@@ -125,6 +127,16 @@ def profile_table(backend, B: int, L: int, vocab: int, device) -> dict:
     return {"groups_s": groups, "top": [{"s": k[0], "group": k[1], "name": k[2], "count": k[3]} for k in kernels[:25]]}
 
 
+# Inductor settings for the compiled forward: torch's default, and max-autotune, which times Triton GEMM templates
+# (with the elementwise work after a GEMM fused into its epilogue) against cuBLAS for each projection
+INDUCTOR_PRESETS = {
+    "default": {},
+    "max-autotune": {"max_autotune": True, "coordinate_descent_tuning": True},
+    "max-autotune-tma": {"max_autotune": True, "coordinate_descent_tuning": True,
+                         "triton.enable_persistent_tma_matmul": True},
+}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="8b")
@@ -132,6 +144,9 @@ def main(argv=None) -> int:
     ap.add_argument("--attention", default="auto,flash,cudnn", help="SDPA kernels for the whole forward")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--profile-shape", default="8x4096")
+    ap.add_argument("--inductor", default="default", help="Inductor settings the compiled forward is measured with "
+                    f"(comma list of {', '.join(INDUCTOR_PRESETS)}); each compiles afresh")
+    ap.add_argument("--no-eager", action="store_true", help="measure the compiled forward only")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     device, dtype = torch.device("cuda"), torch.bfloat16
@@ -161,12 +176,26 @@ def main(argv=None) -> int:
         print(f"[{key}] roofline {flops / peak * 1e3:.0f} ms; attention per layer: " + ", ".join(
             f"{k} {v['tflops']:.0f} TFLOP/s" if "tflops" in v else f"{k} n/a" for k, v in a.items()), flush=True)
         save()
-    for compile in (False, True):
-        for att in args.attention.split(","):
-            torch._dynamo.reset()  # a compiled graph keeps the SDPA kernel it was traced with
-            backend = HFBackend(model=model, compile=compile, attention=att)
-            backend.load("random", "bfloat16", "cuda", layers)
-            label = f"{'compiled' if compile else 'eager'}-{att}"
+    import torch._inductor.config as inductor_config
+
+    variants = [] if args.no_eager else [(False, att, "default") for att in args.attention.split(",")]
+    variants += [(True, att, preset) for preset in args.inductor.split(",") for att in args.attention.split(",")]
+    done = set()
+    for compile, att, preset in variants:
+        try:
+            with inductor_config.patch(INDUCTOR_PRESETS[preset]):
+                pass
+        except AttributeError as e:  # a setting this torch build does not have
+            print(f"inductor preset {preset}: {e}", flush=True)
+            continue
+        torch._dynamo.reset()  # a compiled graph keeps the SDPA kernel and settings it was traced with
+        backend = HFBackend(model=model, compile=compile, attention=att)
+        backend.load("random", "bfloat16", "cuda", layers)
+        label = f"{'compiled' if compile else 'eager'}-{att}" + ("" if preset == "default" else f"-{preset}")
+        while label in done:  # a preset named twice (default,max-autotune,default): clocks drift, so measure again
+            label += "-again"
+        done.add(label)
+        with inductor_config.patch(INDUCTOR_PRESETS[preset]):  # graphs compile at their first call, in here
             for B, L in shapes:
                 r = res["shapes"][f"{B}x{L}"]
                 try:

@@ -113,6 +113,32 @@ def test_fault_hook_fails_once_then_resume_is_byte_identical(batched, spec, smol
     assert chunk_bytes(tmp_path / "out" / "shard-00000") == chunk_bytes(batched[0])
 
 
+def test_writers_do_not_wait_for_earlier_chunks_to_commit(batched, spec, smollm2_path, tmp_path, monkeypatch):
+    """Chunk 0's write stalls until chunk 2's file exists: the other writer must write chunks 1 and 2 meanwhile
+    (a writer that held itself until its chunk's turn to commit would sit on chunk 1 and chunk 2 would never
+    start). The manifest still lists the chunks in order and the files equal an ordinary run's."""
+    import eagle3.extract.extractor as ex
+
+    out = tmp_path / "out" / "shard-00000"
+    real_write, seen = ex.write_chunk, {}
+
+    def write_chunk(shard_dir, index, tensors, metadata=None):
+        if index == 0:
+            deadline = time.monotonic() + 20
+            while not (out / "chunk-000002.safetensors").exists() and time.monotonic() < deadline:
+                time.sleep(0.01)
+            seen["chunk 2 written while chunk 0 was in flight"] = (out / "chunk-000002.safetensors").exists()
+            assert not (out / "manifest.json").exists() or not ShardManifest.load(out).chunks  # nothing committed
+        return real_write(shard_dir, index, tensors, metadata=metadata)
+
+    monkeypatch.setattr(ex, "write_chunk", write_chunk)
+    summary = extract_shard(config(smollm2_path, tmp_path / "out", writer_threads=2), spec)
+    assert seen == {"chunk 2 written while chunk 0 was in flight": True}
+    m = ShardManifest.load(out)
+    assert summary["complete"] and [c.file for c in m.chunks] == [f"chunk-{i:06d}.safetensors" for i in range(len(m.chunks))]
+    assert chunk_bytes(out) == chunk_bytes(batched[0])
+
+
 KILL_CHILD = textwrap.dedent("""
     import os, sys, time
     sys.path.insert(0, {root!r})

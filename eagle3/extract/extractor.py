@@ -9,7 +9,9 @@ Pipeline on a GPU (one compute stream, one copy stream, a pool of writer threads
   batch -> forward (hooks keep the capture layers' outputs) -> gather the real tokens into a
   device staging buffer (double-buffered) -> async copy into a pinned host chunk buffer ->
   once a chunk's copies are done, a writer thread streams it to a temp file (hashing as it
-  writes), fsyncs, renames, and commits it to the shard manifest in chunk order.
+  writes), fsyncs and renames it, and hands it to the committer thread, which appends the
+  written chunks to the shard manifest in chunk order. A writer never waits for the chunks
+  before its own: on a disk-bound run every writer thread keeps a write in flight.
 Host chunk buffers come from a small pool, so a slow disk holds the GPU back instead of
 filling memory. On the CPU the same code runs with synchronous copies.
 
@@ -447,6 +449,9 @@ class ShardExtractor:
         self._next_commit = start
         pad_id = 0
         writers = ThreadPoolExecutor(max_workers=self.cfg.writer_threads, thread_name_prefix=f"shard{self.spec.shard}-w")
+        self._written: queue.Queue = queue.Queue()
+        committer = threading.Thread(target=self._commit_loop, name=f"shard{self.spec.shard}-commit", daemon=True)
+        committer.start()
         futures = []
         step = 0
         try:
@@ -509,15 +514,17 @@ class ShardExtractor:
             self._progress["loop_end"] = time.perf_counter()
             for f in futures:
                 f.result()
+            self._written.put(None)  # every chunk is written: the committer ends after committing them
+            committer.join()
             self._raise_if_failed()
         except BaseException as e:
-            with self._lock:
-                if self._error is None:
-                    self._error = e
-                self._lock.notify_all()
+            self._fail(e)
             raise
         finally:
             writers.shutdown(wait=True, cancel_futures=True)
+            if committer.is_alive():  # an error: the committer stops at None without committing more
+                self._written.put(None)
+                committer.join()
         self._maybe_log(total_tokens, force=True)
 
     def _take(self, pool: HostBufferPool) -> _StateBuffers:
@@ -528,11 +535,17 @@ class ShardExtractor:
                 return buf
 
     def _raise_if_failed(self) -> None:
-        # no lock: reading one attribute is atomic, and a writer holds the lock through the manifest's fsync,
-        # which must not stall the compute thread (it asks after every batch)
+        # no lock: reading one attribute is atomic (the compute thread asks after every batch)
         err = self._error
         if err is not None:
             raise err
+
+    def _fail(self, e: BaseException) -> None:
+        """Record the first error of any thread: the others stop at their next check."""
+        with self._lock:
+            if self._error is None:
+                self._error = e
+            self._lock.notify_all()
 
     def _write_chunk(self, ci: int, buf: _StateBuffers, n: int, order: np.ndarray, data: ShardData, pool) -> None:
         try:
@@ -557,48 +570,58 @@ class ShardExtractor:
                 if self._error is not None:
                     return
             rec = write_chunk(self.shard_dir, ci, tensors, metadata=meta)
-            # the chunk's bytes are in its file: the compute thread may refill the buffer while this writer
-            # waits for the chunks before it to commit
+            # the chunk's bytes are in its file: the compute thread may refill the buffer, and this writer
+            # takes the next chunk while the committer appends this one after the chunks before it
             buf.event = None
             pool.put(buf)
             buf = None
-            self._commit(ci, rec)
+            self._hand_off(ci, rec)
         except BaseException as e:
-            with self._lock:
-                if self._error is None:
-                    self._error = e
-                self._lock.notify_all()
+            self._fail(e)
         finally:
             if buf is not None:
                 buf.event = None
                 pool.put(buf)
 
-    def _commit(self, ci: int, rec: ChunkRecord) -> None:
-        """Append chunk ci to the manifest, strictly in chunk order (writers finish out of order)."""
-        with self._lock:
-            while self._next_commit != ci and self._error is None:
-                self._lock.wait()
-            if self._error is not None:
-                return  # the file stays uncommitted: a re-run overwrites it
-            self.manifest.chunks.append(rec)
-            # progress for the shard view (eagle3.monitor): this attempt's rate and its last commit
-            run_tokens = self._progress["run_tokens"] + rec.tokens
-            self.manifest.params["updated_at"] = time.time()
-            self.manifest.params["tokens_per_s"] = round(
-                run_tokens / max(time.perf_counter() - self._progress["t0"], 1e-9), 1)
-            self.manifest.save(self.shard_dir)
+    def _hand_off(self, ci: int, rec: ChunkRecord) -> None:
+        """A writer's last step: chunk ci's file is complete; the committer thread commits it in turn."""
+        self._written.put((ci, rec))
+
+    def _commit_loop(self) -> None:
+        """The committer thread: appends written chunks to the manifest strictly in chunk order (writers
+        finish out of order), one manifest save per chunk, so a fault or kill after chunk k leaves exactly
+        chunks 0..k committed. Ends on None; after an error it commits nothing more (a re-run overwrites the
+        uncommitted files)."""
+        waiting: dict[int, ChunkRecord] = {}
+        try:
+            while (item := self._written.get()) is not None:
+                waiting[item[0]] = item[1]
+                while self._next_commit in waiting and self._error is None:
+                    self._commit(waiting.pop(self._next_commit))
+        except BaseException as e:
+            self._fail(e)
+
+    def _commit(self, rec: ChunkRecord) -> None:
+        """Append the next chunk in order to the manifest and save it (the committer thread only)."""
+        self.manifest.chunks.append(rec)
+        # progress for the shard view (eagle3.monitor): this attempt's rate and its last commit
+        p = self._progress
+        run_tokens = p["run_tokens"] + rec.tokens
+        self.manifest.params["updated_at"] = time.time()
+        self.manifest.params["tokens_per_s"] = round(run_tokens / max(time.perf_counter() - p["t0"], 1e-9), 1)
+        self.manifest.save(self.shard_dir)
+        p["tokens"] += rec.tokens
+        p["run_tokens"] = run_tokens
+        p["bytes"] += rec.bytes
+        now = time.perf_counter()
+        p.setdefault("first_commit", (now, run_tokens))  # steady-state rate: from the first commit on
+        p["last_commit"] = (now, run_tokens)
+        try:
+            self._check_fault()
+        except InjectedFault as e:
+            self._fail(e)
+        with self._lock:  # whoever waits for a chunk to be committed (tests, the bench's baseline) wakes
             self._next_commit += 1
-            self._progress["tokens"] += rec.tokens
-            self._progress["run_tokens"] += rec.tokens
-            self._progress["bytes"] += rec.bytes
-            now = time.perf_counter()
-            if "first_commit" not in self._progress:  # steady-state rate: from the first commit on
-                self._progress["first_commit"] = (now, self._progress["run_tokens"])
-            self._progress["last_commit"] = (now, self._progress["run_tokens"])
-            try:
-                self._check_fault()
-            except InjectedFault as e:
-                self._error = e
             self._lock.notify_all()
 
     def _check_fault(self) -> None:
