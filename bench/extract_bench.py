@@ -20,13 +20,15 @@ Llama shapes (SmolLM2-135M, Llama-3.2-1B, Llama-3.1-8B) built from a config on t
     python bench/extract_bench.py --models 8b --tokens 2e6 --writers 6 --compile 8b --no-eager --attention auto,cudnn
     python bench/extract_bench.py --models 135m --tokens 4e6 --writers 6 --compile 135m --no-eager --rounds 3
     python bench/extract_bench.py --models 135m --tokens 4e6 --writers 6 --compile 135m --no-eager --rounds 3 \
-        --round-probe-gb 18 --commit-baseline   # the committer thread vs writers that wait for their turn
+        --round-probe-gb 18 --baselines writer-waits-for-commit,no-early-writeback  # the write path vs its baselines
     python bench/extract_bench.py --models real --device cpu --dtype bfloat16 --tokens 2e4 --min-len 64 --max-len 512
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import itertools
 import json
 import logging
@@ -44,7 +46,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import eagle3.extract.format as chunk_format  # noqa: E402
 from eagle3.extract.extractor import BACKENDS, ExtractConfig, ShardExtractor  # noqa: E402
+from eagle3.extract.format import _start_writeback  # noqa: E402
 from eagle3.extract.plan import plan_shards  # noqa: E402
 from eagle3.extract.synthetic import write_merged_dataset  # noqa: E402
 
@@ -106,8 +110,9 @@ def matmul_sustained(device, dtype, n: int, seconds: float) -> dict:
             "sustained": statistics.median(half), "rates": [round(r / 1e12, 1) for r in rates]}
 
 
-def disk_probe(folder: Path, total_bytes: int, file_bytes: int, writers: int) -> float:
-    """Sustained bytes/s writing files of `file_bytes`, each fsynced, with `writers` threads at once."""
+def disk_probe(folder: Path, total_bytes: int, file_bytes: int, writers: int, early_writeback: bool = False) -> float:
+    """Sustained bytes/s writing files of `file_bytes`, each fsynced, with `writers` threads at once; with
+    `early_writeback`, each 64 MB written is queued for the disk at once, as the extractor's chunk writer does."""
     folder.mkdir(parents=True, exist_ok=True)
     block = np.random.default_rng(0).integers(0, 255, 64 << 20, dtype=np.uint8).tobytes()
     n_files = max(writers, total_bytes // file_bytes)
@@ -126,6 +131,8 @@ def disk_probe(folder: Path, total_bytes: int, file_bytes: int, writers: int) ->
                 while left > 0:
                     f.write(block[:min(left, len(block))])
                     left -= len(block)
+                    if early_writeback:
+                        _start_writeback(f)
                 f.flush()
                 os.fsync(f.fileno())
 
@@ -216,6 +223,23 @@ class WriterWaitsForItsCommit(ShardExtractor):
                 self._lock.wait()
 
 
+@contextlib.contextmanager
+def no_early_writeback():
+    """The baseline of the chunk writer (until 2026-12-03, fifth session): the page cache held a chunk's bytes until
+    its final fsync, so a writer left the disk idle while it copied and hashed the chunk."""
+    real = chunk_format._start_writeback
+    chunk_format._start_writeback = lambda f: None
+    try:
+        yield
+    finally:
+        chunk_format._start_writeback = real
+
+
+# side-by-side baselines of the write path for the interleaved rounds: name -> (extractor class, context)
+BASELINES = {"writer-waits-for-commit": (WriterWaitsForItsCommit, contextlib.nullcontext),
+             "no-early-writeback": (ShardExtractor, no_early_writeback)}
+
+
 def run_extractor(model, model_path, samples, layers, device, dtype_name, work: Path, budget: int,
                   writers: int, chunk_mb: int, storage: str = "auto", compile: bool = False,
                   backend_name: str = "hf", attention: str = "auto", extractor=ShardExtractor) -> dict:
@@ -253,10 +277,12 @@ def interleaved_rounds(rounds: int, probe, extracts: dict, bytes_per_token: int)
             runs.append({"variant": label, "tok_per_s_wall": r["tok_per_s_wall"],
                          "steady_tok_per_s": r["steady_tok_per_s"], "wall_s": r["wall_s"], "tokens": r["tokens"],
                          "bytes": r["bytes"], "disk_before": probes[-2], "disk_after": probes[-1],
-                         "disk_limit_tok_per_s": limit, "fraction_of_disk_limit": r["tok_per_s_wall"] / limit})
+                         "disk_limit_tok_per_s": limit, "fraction_of_disk_limit": r["tok_per_s_wall"] / limit,
+                         **{k: r.get(k) for k in ("compute_waited_for_writers_s", "writer_busy_fraction")}})
             print(f"round {i} {label}: {r['tok_per_s_wall']:.0f} tok/s wall ({r['bytes'] / r['wall_s'] / 1e9:.2f} "
                   f"GB/s), disk {probes[-2] / 1e9:.2f} -> {probes[-1] / 1e9:.2f} GB/s, "
-                  f"{100 * runs[-1]['fraction_of_disk_limit']:.0f}% of the disk limit", flush=True)
+                  f"{100 * runs[-1]['fraction_of_disk_limit']:.0f}% of the disk limit; compute waited for writers "
+                  f"{r.get('compute_waited_for_writers_s')} s, writers busy {r.get('writer_busy_fraction')}", flush=True)
     by_variant = {}
     for label in extracts:
         mine = [r for r in runs if r["variant"] == label]
@@ -300,8 +326,8 @@ def main(argv=None) -> int:
                     "disk probes (chunk size, writer threads of the run): the fraction against the disk at that time")
     ap.add_argument("--round-probe-gb", type=float, default=None, help="bytes each probe between rounds writes "
                     "(default --disk-gb); about what one run writes, so a probe and a run last alike")
-    ap.add_argument("--commit-baseline", action="store_true", help="in each round, also run the commit path's "
-                    "baseline (writers wait for their chunk's turn to commit) beside the extractor")
+    ap.add_argument("--baselines", default="", help="in each round, also run these baselines of the write path "
+                    f"beside the extractor (comma list of {', '.join(BASELINES)})")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
@@ -330,9 +356,9 @@ def main(argv=None) -> int:
     # block device gives more with more streams in flight), over every chunk size used: the best the disk does
     probes = {}
     for mb in sorted(set(chunk_mbs)):
-        for w in sorted({1, 2, max(int(x) for x in args.writers.split(","))}):
-            key = f"{w}_writers" if len(set(chunk_mbs)) == 1 else f"{w}_writers_{mb}mb"
-            probes[key] = disk_probe(work / "disk", int(args.disk_gb * 1e9), mb << 20, writers=w)
+        for w, early in itertools.product(sorted({1, 2, max(int(x) for x in args.writers.split(","))}), (False, True)):
+            key = f"{w}_writers" + ("" if len(set(chunk_mbs)) == 1 else f"_{mb}mb") + ("_early_writeback" if early else "")
+            probes[key] = disk_probe(work / "disk", int(args.disk_gb * 1e9), mb << 20, writers=w, early_writeback=early)
     res["disk_bytes_per_s"] = probes
     disk = max(probes.values())
     import hashlib
@@ -439,16 +465,22 @@ def main(argv=None) -> int:
                 kw = dict(compile=bool(ext.get("compile")), backend_name=ext.get("backend", "hf"),
                           attention=ext.get("attention", "auto"))
                 w = int(ext["writer_threads"])
-                run = lambda extractor: run_extractor(model, model_path, samples, layers, device,  # noqa: E731
-                                                      dtype_name, work / "ext", budget, w, chunk_mb,
-                                                      extractor=extractor, **kw)
-                extracts = {"extractor": lambda: run(ShardExtractor)}
-                if args.commit_baseline:
-                    extracts["writer-waits-for-commit"] = lambda: run(WriterWaitsForItsCommit)
+                def run(extractor=ShardExtractor, context=contextlib.nullcontext):
+                    with context():
+                        return run_extractor(model, model_path, samples, layers, device, dtype_name, work / "ext",
+                                             budget, w, chunk_mb, extractor=extractor, **kw)
+
+                extracts = {"extractor": run}
+                for b in filter(None, args.baselines.split(",")):
+                    extracts[b] = functools.partial(run, *BASELINES[b])
                 probe_gb = args.round_probe_gb or args.disk_gb
+                # the round probes write the way the faster of the two initial probes at w writers did
+                mine = {k: v for k, v in probes.items() if k.startswith(f"{w}_writers")}
+                early = max(mine, key=mine.get).endswith("_early_writeback")
                 r["interleaved"] = interleaved_rounds(
-                    args.rounds, lambda: disk_probe(work / "disk", int(probe_gb * 1e9), chunk_mb << 20, w),
+                    args.rounds, lambda: disk_probe(work / "disk", int(probe_gb * 1e9), chunk_mb << 20, w, early),
                     extracts, bpt)
+                r["interleaved"]["probe_early_writeback"] = early
             if sustained:
                 sustained.append(matmul_sustained(device, dtype, n, args.matmul_seconds))
                 rate = statistics.mean(x["sustained"] for x in sustained)

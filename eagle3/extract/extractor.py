@@ -248,6 +248,7 @@ class HostBufferPool:
     def __init__(self, limit: int, make):
         self.limit, self.make, self.made = limit, make, 0
         self.free: queue.Queue = queue.Queue()
+        self.waited_s = 0.0  # time `get` blocked for a writer to give a buffer back: the disk holding compute back
 
     def put(self, buf) -> None:
         self.free.put(buf)
@@ -261,10 +262,13 @@ class HostBufferPool:
         if self.made < self.limit:
             self.made += 1
             return self.make()
+        t = time.perf_counter()
         try:
             return self.free.get(timeout=timeout)
         except queue.Empty:
             return None
+        finally:
+            self.waited_s += time.perf_counter() - t
 
 
 def _store(dst: torch.Tensor, scale: torch.Tensor | None, x: torch.Tensor) -> None:
@@ -370,6 +374,12 @@ class ShardExtractor:
             timeline["setup_s"] = round(p["first_forward"] - self._t_run0, 3)
         if "loop_end" in p:
             timeline["tail_s"] = round(self._t_run0 + seconds - p["loop_end"], 3)
+        # which side bound the run: the compute thread waiting for host buffers means the writers (the disk) were
+        # the limit; writers busy for less than their share of the wall time means compute was
+        if "pool" in p:
+            timeline["compute_waited_for_writers_s"] = round(p["pool"].waited_s, 3)
+            timeline["writer_busy_fraction"] = round(
+                p["writer_busy_s"] / max(self.cfg.writer_threads * seconds, 1e-9), 3)
         return {
             "steady_tok_per_s": round(steady, 1), **timeline,
             "shard": self.spec.shard, "shard_dir": str(self.shard_dir), "complete": m.complete,
@@ -445,7 +455,8 @@ class ShardExtractor:
         copy_stream = torch.cuda.Stream(dev) if cuda else None
         total_tokens = self.spec.tokens
         self._progress = {"tokens": self.manifest.tokens, "bytes": sum(c.bytes for c in self.manifest.chunks),
-                          "run_tokens": 0, "t0": time.perf_counter(), "last_log": time.perf_counter()}
+                          "run_tokens": 0, "t0": time.perf_counter(), "last_log": time.perf_counter(),
+                          "writer_busy_s": 0.0, "pool": pool}
         self._next_commit = start
         pad_id = 0
         writers = ThreadPoolExecutor(max_workers=self.cfg.writer_threads, thread_name_prefix=f"shard{self.spec.shard}-w")
@@ -569,7 +580,10 @@ class ShardExtractor:
             with self._lock:
                 if self._error is not None:
                     return
+            t = time.perf_counter()
             rec = write_chunk(self.shard_dir, ci, tensors, metadata=meta)
+            with self._lock:
+                self._progress["writer_busy_s"] += time.perf_counter() - t
             # the chunk's bytes are in its file: the compute thread may refill the buffer, and this writer
             # takes the next chunk while the committer appends this one after the chunks before it
             buf.event = None
