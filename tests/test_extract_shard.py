@@ -139,6 +139,27 @@ def test_writers_do_not_wait_for_earlier_chunks_to_commit(batched, spec, smollm2
     assert chunk_bytes(out) == chunk_bytes(batched[0])
 
 
+def test_summary_says_when_the_writers_bound_the_run(spec, smollm2_path, tmp_path, monkeypatch):
+    """A writer that takes 0.4 s a chunk (a slow disk) holds the compute thread back: the summary shows it waiting
+    for host buffers and the writer busy most of the wall time; with the real writer it waits far less."""
+    import eagle3.extract.extractor as ex
+
+    fast = extract_shard(config(smollm2_path, tmp_path / "fast", writer_threads=1), spec)
+    real_write = ex.write_chunk
+
+    def slow_write(*a, **kw):
+        time.sleep(0.4)
+        return real_write(*a, **kw)
+
+    monkeypatch.setattr(ex, "write_chunk", slow_write)
+    slow = extract_shard(config(smollm2_path, tmp_path / "slow", writer_threads=1), spec)
+    assert slow["chunks"] == fast["chunks"] >= 3
+    # one writer, two host buffers on the CPU: after the first two chunks each one waits for a write
+    assert slow["compute_waited_for_writers_s"] > 0.3 * (slow["chunks"] - 2)
+    assert slow["writer_busy_fraction"] > 0.5 and slow["writer_busy_fraction"] > 2 * fast["writer_busy_fraction"]
+    assert fast["compute_waited_for_writers_s"] < slow["compute_waited_for_writers_s"] / 2
+
+
 KILL_CHILD = textwrap.dedent("""
     import os, sys, time
     sys.path.insert(0, {root!r})

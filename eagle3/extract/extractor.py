@@ -369,19 +369,19 @@ class ShardExtractor:
             steady = (n1 - n0) / (t1 - t0)
         # where the wall time outside the steady state goes: before the first forward (data, model, buffers),
         # and after the last batch is enqueued (its forward, copies and the last chunks' writes)
-        timeline = {}
+        breakdown = {}
         if "first_forward" in p:
-            timeline["setup_s"] = round(p["first_forward"] - self._t_run0, 3)
+            breakdown["setup_s"] = round(p["first_forward"] - self._t_run0, 3)
         if "loop_end" in p:
-            timeline["tail_s"] = round(self._t_run0 + seconds - p["loop_end"], 3)
+            breakdown["tail_s"] = round(self._t_run0 + seconds - p["loop_end"], 3)
         # which side bound the run: the compute thread waiting for host buffers means the writers (the disk) were
         # the limit; writers busy for less than their share of the wall time means compute was
         if "pool" in p:
-            timeline["compute_waited_for_writers_s"] = round(p["pool"].waited_s, 3)
-            timeline["writer_busy_fraction"] = round(
+            breakdown["compute_waited_for_writers_s"] = round(p["pool"].waited_s, 3)
+            breakdown["writer_busy_fraction"] = round(
                 p["writer_busy_s"] / max(self.cfg.writer_threads * seconds, 1e-9), 3)
         return {
-            "steady_tok_per_s": round(steady, 1), **timeline,
+            "steady_tok_per_s": round(steady, 1), **breakdown,
             "shard": self.spec.shard, "shard_dir": str(self.shard_dir), "complete": m.complete,
             "chunks": len(m.chunks), "tokens": m.tokens, "samples": m.samples,
             "bytes": sum(c.bytes for c in m.chunks), "seconds": round(seconds, 3),
