@@ -278,7 +278,8 @@ def interleaved_rounds(rounds: int, probe, extracts: dict, bytes_per_token: int)
                          "steady_tok_per_s": r["steady_tok_per_s"], "wall_s": r["wall_s"], "tokens": r["tokens"],
                          "bytes": r["bytes"], "disk_before": probes[-2], "disk_after": probes[-1],
                          "disk_limit_tok_per_s": limit, "fraction_of_disk_limit": r["tok_per_s_wall"] / limit,
-                         **{k: r.get(k) for k in ("compute_waited_for_writers_s", "writer_busy_fraction")}})
+                         **{k: r.get(k) for k in ("compute_waited_for_writers_s", "writer_busy_fraction",
+                                                  "host_buffer_alloc_s")}})
             print(f"round {i} {label}: {r['tok_per_s_wall']:.0f} tok/s wall ({r['bytes'] / r['wall_s'] / 1e9:.2f} "
                   f"GB/s), disk {probes[-2] / 1e9:.2f} -> {probes[-1] / 1e9:.2f} GB/s, "
                   f"{100 * runs[-1]['fraction_of_disk_limit']:.0f}% of the disk limit; compute waited for writers "
@@ -428,7 +429,9 @@ def main(argv=None) -> int:
                 v["warmup_with_compile_s"] = round(warm_s, 1)
                 print(f"[{name}] {label}: {v['tok_per_s_wall']:.0f} tok/s wall, {v['steady_tok_per_s']:.0f} between "
                       f"first and last commit; setup {v.get('setup_s', 0):.1f} s, tail {v.get('tail_s', 0):.1f} s "
-                      f"of {v['wall_s']:.1f} s (warm-up incl. compile {warm_s:.0f} s)", flush=True)
+                      f"of {v['wall_s']:.1f} s (warm-up incl. compile {warm_s:.0f} s); compute waited for writers "
+                      f"{v.get('compute_waited_for_writers_s')} s, writers busy {v.get('writer_busy_fraction')}, "
+                      f"host buffers made in {v.get('host_buffer_alloc_s')} s", flush=True)
                 variants[label] = v
                 if ext is None or v["tok_per_s_wall"] > ext["tok_per_s_wall"]:
                     ext = dict(v, writer_threads=writers_best, compile=True, backend=backend_name, attention=attention)

@@ -385,7 +385,7 @@ def test_host_buffer_pool_makes_buffers_only_when_all_are_in_use():
     from eagle3.extract.extractor import HostBufferPool
 
     made = []
-    pool = HostBufferPool(3, lambda: made.append(object()) or made[-1])
+    pool = HostBufferPool(3, lambda: time.sleep(0.02) or made.append(object()) or made[-1])
     a = pool.get(timeout=0.01)
     pool.put(a)
     assert pool.get(timeout=0.01) is a and len(made) == 1  # a free buffer is reused, none made
@@ -394,3 +394,5 @@ def test_host_buffer_pool_makes_buffers_only_when_all_are_in_use():
     assert pool.get(timeout=0.05) is None and len(made) == 3  # at the limit: waits, makes no fourth
     threading.Timer(0.05, pool.put, args=(b,)).start()  # a writer hands one back
     assert pool.get(timeout=5) is b
+    # the time accounts the summary reports: making (pinning) buffers, and waiting for writers to free one
+    assert 0.06 <= pool.made_s < 1 and 0.1 <= pool.waited_s < 1

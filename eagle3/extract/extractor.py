@@ -249,6 +249,7 @@ class HostBufferPool:
         self.limit, self.make, self.made = limit, make, 0
         self.free: queue.Queue = queue.Queue()
         self.waited_s = 0.0  # time `get` blocked for a writer to give a buffer back: the disk holding compute back
+        self.made_s = 0.0  # time spent making (pinning) buffers, on the compute thread
 
     def put(self, buf) -> None:
         self.free.put(buf)
@@ -261,7 +262,11 @@ class HostBufferPool:
             pass
         if self.made < self.limit:
             self.made += 1
-            return self.make()
+            t = time.perf_counter()
+            try:
+                return self.make()
+            finally:
+                self.made_s += time.perf_counter() - t
         t = time.perf_counter()
         try:
             return self.free.get(timeout=timeout)
@@ -378,6 +383,7 @@ class ShardExtractor:
         # the limit; writers busy for less than their share of the wall time means compute was
         if "pool" in p:
             breakdown["compute_waited_for_writers_s"] = round(p["pool"].waited_s, 3)
+            breakdown["host_buffer_alloc_s"] = round(p["pool"].made_s, 3)
             breakdown["writer_busy_fraction"] = round(
                 p["writer_busy_s"] / max(self.cfg.writer_threads * seconds, 1e-9), 3)
         return {
