@@ -10,6 +10,8 @@ It prints a table and writes JSON; it changes nothing. The figures decide `Extra
 (docs/benchmarks.md).
 
     python3 bench/extract_profile_gpu.py --model 8b --shapes 4x8192,8x4096,32x1024,128x256 --out prof.json
+    python3 bench/extract_profile_gpu.py --model 8b --shapes 8x4096,1x8192 --attention auto --no-eager \
+        --inductor default,max-autotune,default   # Inductor's GEMM autotuning against its defaults (run 8)
 """
 
 from __future__ import annotations
@@ -132,8 +134,6 @@ def profile_table(backend, B: int, L: int, vocab: int, device) -> dict:
 INDUCTOR_PRESETS = {
     "default": {},
     "max-autotune": {"max_autotune": True, "coordinate_descent_tuning": True},
-    "max-autotune-tma": {"max_autotune": True, "coordinate_descent_tuning": True,
-                         "triton.enable_persistent_tma_matmul": True},
 }
 
 
