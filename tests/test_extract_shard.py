@@ -269,6 +269,39 @@ def test_wrong_layer_and_oversized_budget_give_clear_errors(spec, smollm2_path, 
         extract_shard(config(smollm2_path, tmp_path / "f16", dtype="float16"), spec)
 
 
+def test_padding_batches_to_a_length_multiple_keeps_the_states(batched, spec, smollm2_path, reference, tmp_path,
+                                                               monkeypatch):
+    """pad_multiple=8: every forward runs at a length that is a multiple of 8 (a bounded set of shapes), the
+    extra right padding changes no real token's states, and the shard records the param (a shard extracted
+    without it is not resumed with it)."""
+    from eagle3.extract.backend import HFBackend
+
+    shapes, real_capture = [], HFBackend.capture
+
+    def capture(self, input_ids):
+        shapes.append(tuple(input_ids.shape))
+        return real_capture(self, input_ids)
+
+    monkeypatch.setattr(HFBackend, "capture", capture)
+    out = extract_shard(config(smollm2_path, tmp_path / "padded", pad_multiple=8), spec)
+    assert out["complete"] and out["tokens"] == spec.tokens
+    from eagle3.extract.extractor import load_shard_data, padded_length, plan_batches
+
+    data = load_shard_data(spec)
+    planned = [b for c in plan_batches(data.lengths, data.rows, BUDGET, 11, pad_multiple=8) for b in c]
+    assert shapes == [(len(b), padded_length(int(data.lengths[b].max()), 8)) for b in planned]
+    assert all(L % 8 == 0 and B * L <= BUDGET for B, L in shapes)
+    assert sum(B * L for B, L in shapes) > sum(B * int(data.lengths[b].max()) for b, (B, _) in zip(planned, shapes))
+    for s in HiddenStateReader([Path(out["shard_dir"])], verify=True):
+        aux, final = reference[s.row]
+        torch.testing.assert_close(s.aux_hidden, aux, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(s.final_hidden, final, rtol=1e-4, atol=1e-4)
+    with pytest.raises(ConfigError, match="extracted with other params"):
+        extract_shard(config(smollm2_path, batched[0].parent, pad_multiple=8), spec)
+    with pytest.raises(ConfigError, match="pad_multiple must be a positive int, got 0"):
+        extract_shard(config(smollm2_path, tmp_path / "zero", pad_multiple=0), spec)
+
+
 def test_fp8_storage_halves_bytes_and_stays_close(batched, spec, smollm2_path, reference, tmp_path):
     out = extract_shard(config(smollm2_path, tmp_path, storage_dtype="float8_e4m3fn"), spec)
     assert out["bytes"] < 0.3 * batched[1]["bytes"]  # 1 byte instead of 4 (fp32) per value, + scales

@@ -75,6 +75,10 @@ class ExtractConfig:
     compile: bool | str = "auto"
     backend: str = "hf"  # "hf": HF transformers modules; "fused-llama": fused q/k/v and gate/up GEMMs (Llama family)
     attention: str = "auto"  # SDPA kernel: auto (torch picks), flash, cudnn, efficient, math
+    # right-pad every batch to a length that is a multiple of this, so a shard meets a bounded set of batch shapes
+    # (kernels that plan per shape, such as cuDNN attention, then plan once per bucket); 1 = pad to the longest
+    # sample only. Costs up to pad_multiple - 1 padded tokens a row; not yet measured on a GPU (docs/extract.md).
+    pad_multiple: int = 1
 
     def resolved(self) -> "ExtractConfig":
         c = ExtractConfig(**asdict(self))
@@ -96,7 +100,7 @@ class ExtractConfig:
             c.storage_dtype = c.dtype
         if c.storage_dtype not in STORAGE_DTYPES:
             raise ConfigError(f"storage_dtype={c.storage_dtype!r}: use one of {list(STORAGE_DTYPES)}")
-        for name in ("token_budget", "writer_threads"):
+        for name in ("token_budget", "writer_threads", "pad_multiple"):
             v = getattr(c, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ConfigError(f"{name} must be a positive int, got {v!r}")
@@ -107,13 +111,19 @@ class ExtractConfig:
 
 # -- the deterministic work plan ----------------------------------------------------------
 
-def plan_batches(lengths: np.ndarray, rows: np.ndarray, token_budget: int, chunk_tokens: int) -> list[list[np.ndarray]]:
+def padded_length(longest: int, pad_multiple: int) -> int:
+    """The length a batch is right-padded to: its longest sample, rounded up to a multiple of pad_multiple."""
+    return -(-max(longest, 1) // pad_multiple) * pad_multiple
+
+
+def plan_batches(lengths: np.ndarray, rows: np.ndarray, token_budget: int, chunk_tokens: int,
+                 pad_multiple: int = 1) -> list[list[np.ndarray]]:
     """Chunks -> batches -> local sample indices. Longest first, so an OOM shows up at once."""
     order = np.lexsort((rows, -lengths))
     batches, i, n = [], 0, len(order)
     while i < n:
-        longest = int(lengths[order[i]])
-        size = max(1, token_budget // max(longest, 1))  # a sample longer than the budget runs alone
+        longest = padded_length(int(lengths[order[i]]), pad_multiple)
+        size = max(1, token_budget // longest)  # a sample longer than the budget runs alone
         batches.append(order[i:i + size])
         i += size
     chunks, cur, cur_tokens = [], [], 0
@@ -324,6 +334,8 @@ class ShardExtractor:
             "dtype": self.cfg.dtype, "storage_dtype": self.cfg.storage_dtype,
             "token_budget": self.cfg.token_budget, "chunk_tokens": self.chunk_tokens,
             "spec": self.spec.to_dict(),
+            # only when set: shards extracted before the param existed keep their fingerprint
+            **({"pad_multiple": self.cfg.pad_multiple} if self.cfg.pad_multiple != 1 else {}),
         }
         self.fingerprint = fingerprint(self.params)
         self._lock = threading.Condition()
@@ -407,7 +419,7 @@ class ShardExtractor:
             return self._summary(m, time.perf_counter() - t0, 0, True, len(m.chunks))
 
         data = load_shard_data(self.spec)
-        chunks = plan_batches(data.lengths, data.rows, self.cfg.token_budget, self.chunk_tokens)
+        chunks = plan_batches(data.lengths, data.rows, self.cfg.token_budget, self.chunk_tokens, self.cfg.pad_multiple)
         m.params["planned_chunks"] = len(chunks)
         start = len(m.chunks)
         if start > len(chunks):
@@ -478,7 +490,7 @@ class ShardExtractor:
                 samples = []
                 for b in batches:
                     lens = data.lengths[b]
-                    L, B = int(lens[0]), len(b)
+                    L, B = padded_length(int(lens[0]), self.cfg.pad_multiple), len(b)
                     ids = np.full((B, L), pad_id, dtype=np.int64)
                     for j, i in enumerate(b):
                         ids[j, :lens[j]] = data.sample(int(i))[0]
