@@ -27,8 +27,8 @@ print(json.dumps({
         {"name": "B1", "prompt_file": str(REPO / "data/demo/B1.jsonl"), "max_tokens": 200, "drop_truncated": False},
     ],
     "datagen_mode": "local",
-    "server_command": f"{sys.executable} -m llama_cpp.server --model {{gguf}} --host {{host}} --port {{port}} "
-                      "--model_alias smollm2",
+    "server_command": f"{sys.executable} -m eagle3.datagen.llama_cpp_server --model {{gguf}} --host {{host}} "
+                      "--port {port} --model_alias smollm2",
     "gguf": str(find_smollm2_gguf()),
     "served_model_name": "smollm2",
     "datagen_client": {"concurrency": 4},

@@ -9,7 +9,7 @@ from pathlib import Path
 
 def llama_server_command() -> str:
     """The local-server command template the tests (and the demo) use in place of SGLang."""
-    return (f"{sys.executable} -m llama_cpp.server --model {{gguf}} --host {{host}} --port {{port}} "
+    return (f"{sys.executable} -m eagle3.datagen.llama_cpp_server --model {{gguf}} --host {{host}} --port {{port}} "
             f"--model_alias smollm2")
 
 
