@@ -22,7 +22,7 @@ Llama shapes (SmolLM2-135M, Llama-3.2-1B, Llama-3.1-8B) built from a config on t
     python bench/extract_bench.py --models 135m --tokens 4e6 --writers 6 --compile 135m --no-eager --rounds 3 \
         --round-probe-gb 18 --baselines writer-waits-for-commit,no-early-writeback  # the write path vs its baselines
     python bench/extract_bench.py --models 135m --tokens 4e6 --writers 6 --compile 135m --no-eager --rounds 3 \
-        --round-probe-gb 18 --fresh-rounds --pad-multiples 1,64   # new shapes each run; length buckets of 64
+        --round-probe-gb 18 --fresh-rounds --pad-multiples 1,auto   # new shapes each run; length buckets
     python bench/extract_bench.py --models real --device cpu --dtype bfloat16 --tokens 2e4 --min-len 64 --max-len 512
 """
 
@@ -245,7 +245,7 @@ BASELINES = {"writer-waits-for-commit": (WriterWaitsForItsCommit, contextlib.nul
 def run_extractor(model, model_path, samples, layers, device, dtype_name, work: Path, budget: int,
                   writers: int, chunk_mb: int, storage: str = "auto", compile: bool = False,
                   backend_name: str = "hf", attention: str = "auto", extractor=ShardExtractor,
-                  pad_multiple: int = 1) -> dict:
+                  pad_multiple: int | str = "auto") -> dict:
     merge = work / "merge"
     shutil.rmtree(work, ignore_errors=True)
     write_merged_dataset(merge, samples, rows_per_file=512)
@@ -332,8 +332,9 @@ def main(argv=None) -> int:
                     "(default --disk-gb); about what one run writes, so a probe and a run last alike")
     ap.add_argument("--baselines", default="", help="in each round, also run these baselines of the write path "
                     f"beside the extractor (comma list of {', '.join(BASELINES)})")
-    ap.add_argument("--pad-multiples", default="1", help="in the rounds, the extractor once per value of "
-                    "ExtractConfig.pad_multiple (comma list, e.g. 1,64: batches padded to a bounded set of shapes)")
+    ap.add_argument("--pad-multiples", default="auto", help="in the rounds, the extractor once per value of "
+                    "ExtractConfig.pad_multiple (comma list, e.g. 1,auto,64: batches padded to a bounded set of "
+                    "shapes); the runs before the rounds use auto")
     ap.add_argument("--fresh-rounds", action="store_true", help="every run in the rounds extracts new samples (same "
                     "length distribution, new seed), as a production shard meets new batch shapes all the time; "
                     "without it the rounds repeat the first run's samples and shapes")
@@ -478,7 +479,7 @@ def main(argv=None) -> int:
                 w = int(ext["writer_threads"])
                 seeds = itertools.count(100)
 
-                def run(extractor=ShardExtractor, context=contextlib.nullcontext, pad_multiple=1):
+                def run(extractor=ShardExtractor, context=contextlib.nullcontext, pad_multiple="auto"):
                     mine = (make_samples(n_tok, args.min_len, args.max_len, c.vocab_size, seed=next(seeds))
                             if args.fresh_rounds else samples)
                     with context():
@@ -486,8 +487,8 @@ def main(argv=None) -> int:
                                              budget, w, chunk_mb, extractor=extractor, pad_multiple=pad_multiple, **kw)
 
                 extracts = {}
-                for pm in (int(x) for x in args.pad_multiples.split(",")):
-                    extracts["extractor" + ("" if pm == 1 else f"-pad{pm}")] = functools.partial(run, pad_multiple=pm)
+                for pm in (int(x) if x.isdigit() else x for x in args.pad_multiples.split(",")):
+                    extracts[f"extractor-pad{pm}"] = functools.partial(run, pad_multiple=pm)
                 for b in filter(None, args.baselines.split(",")):
                     extracts[b] = functools.partial(run, *BASELINES[b])
                 probe_gb = args.round_probe_gb or args.disk_gb

@@ -12,6 +12,13 @@ It prints a table and writes JSON; it changes nothing. The figures decide `Extra
     python3 bench/extract_profile_gpu.py --model 8b --shapes 4x8192,8x4096,32x1024,128x256 --out prof.json
     python3 bench/extract_profile_gpu.py --model 8b --shapes 8x4096,1x8192 --attention auto --no-eager \
         --inductor default,max-autotune,default   # Inductor's GEMM autotuning against its defaults (run 8)
+    python3 bench/extract_profile_gpu.py --model 135m --sweep-tokens 4e6 --budget 32768 \
+        --attention auto,flash,cudnn --pad-multiples 1,auto   # what a batch shape seen for the first time costs
+
+--sweep-tokens replaces the tables above with the shape sweep: the extractor's own batch plan (length-sorted under
+the token budget, padded to `pad_multiple`) over fresh random lengths, each batch run as the compute thread runs it
+(capture forward + gather of the real tokens), timed batch by batch with a sync; once over shapes this process has
+not seen, then again over the same shapes. The difference is what new shapes cost a production shard.
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from extract_bench import build_model, matmul_probe, model_flops_per_sample  # noqa: E402
 
 from eagle3.extract.backend import HFBackend, sdpa_context  # noqa: E402
+from eagle3.extract.extractor import padded_length, plan_batches  # noqa: E402
 
 
 def gpu_time(fn, reps: int) -> float:
@@ -129,6 +137,119 @@ def profile_table(backend, B: int, L: int, vocab: int, device) -> dict:
     return {"groups_s": groups, "top": [{"s": k[0], "group": k[1], "name": k[2], "count": k[3]} for k in kernels[:25]]}
 
 
+def planned_batches(n_tokens: int, budget: int, pad_multiple: int | str, seed: int, lo: int = 256,
+                    hi: int = 8192) -> list[tuple[int, np.ndarray]]:
+    """(padded length, sample lengths) of every batch the extractor would run over fresh random lengths."""
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(lo, hi + 1, int(n_tokens / ((lo + hi) / 2)) + 1)
+    chunks = plan_batches(lengths, np.arange(len(lengths)), budget, chunk_tokens=1 << 40, pad_multiple=pad_multiple)
+    return [(padded_length(int(lengths[b].max()), pad_multiple), lengths[b]) for c in chunks for b in c]
+
+
+def _counters() -> dict:
+    """Dynamo's and Inductor's event counters (graphs compiled, recompiles, cache hits), flattened."""
+    from torch._dynamo.utils import counters
+
+    return {f"{g}.{k}": v for g in ("stats", "inductor", "aot_autograd") for k, v in counters[g].items()}
+
+
+def sweep_pass(backend, batches, vocab: int, device, profile_batches: int = 0) -> dict:
+    """Run each batch as the extractor's compute thread does (forward, then gather the real tokens of every
+    captured state); seconds per batch with a sync after each, the part of it before the sync (host side: launches,
+    and whatever the host builds for a new shape), the allocator's device mallocs and the compiler's counters.
+    With profile_batches, the first that many batches run under torch.profiler (host and device)."""
+    cuda = device.type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    stats = (lambda: torch.cuda.memory_stats(device)) if cuda else dict
+    sync()
+    before, counts = stats(), _counters()
+    times, host, shapes, prof = [], [], set(), None
+    for i, (L, lens) in enumerate(batches):
+        ids = torch.randint(3, vocab, (len(lens), L), device=device)
+        real = torch.from_numpy(np.concatenate([np.arange(j * L, j * L + int(n)) for j, n in enumerate(lens)]))
+        sync()
+        if i == 0 and profile_batches:
+            from torch.profiler import ProfilerActivity, profile
+
+            prof = profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else []))
+            prof.__enter__()
+        t = time.perf_counter()
+        aux, final = backend.capture(ids)
+        real = real.to(device, non_blocking=True)
+        for a in (*aux, final):
+            a.reshape(-1, a.shape[-1]).index_select(0, real)
+        host.append(time.perf_counter() - t)
+        sync()
+        times.append(time.perf_counter() - t)
+        shapes.add((len(lens), L))
+        if prof is not None and i + 1 == profile_batches:
+            prof.__exit__(None, None, None)
+    after, counts_after = stats(), _counters()
+    times, host = np.array(times), np.array(host)
+    out = {"batches": len(batches), "distinct_shapes": len(shapes), "tokens": int(sum(x.sum() for _, x in batches)),
+           "s": float(times.sum()), "host_s": float(host.sum()), "median_batch_s": float(np.median(times)),
+           "median_host_s": float(np.median(host)), "max_batch_s": float(times.max()),
+           "slowest": [round(float(x), 4) for x in np.sort(times)[-5:]],
+           "device_mallocs": after.get("num_device_alloc", 0) - before.get("num_device_alloc", 0),
+           "alloc_retries": after.get("num_alloc_retries", 0) - before.get("num_alloc_retries", 0),
+           "compiler_counters": {k: v - counts.get(k, 0) for k, v in counts_after.items() if v != counts.get(k, 0)}}
+    if prof is not None:
+        ev = [e for e in prof.key_averages() if e.self_cpu_time_total > 0]
+        ev.sort(key=lambda e: e.self_cpu_time_total, reverse=True)
+        out["profile_host_top"] = [{"name": e.key[:140], "self_cpu_ms": e.self_cpu_time_total / 1e3,
+                                    "count": e.count} for e in ev[:20]]
+        dev = [e for e in prof.key_averages() if getattr(e, "self_device_time_total", 0) > 0]
+        dev.sort(key=lambda e: e.self_device_time_total, reverse=True)
+        out["profile_device_top"] = [{"name": e.key[:140], "self_device_ms": e.self_device_time_total / 1e3,
+                                      "count": e.count} for e in dev[:12]]
+    return out
+
+
+def shape_sweep(model, args, device, peak: float, res: dict, save) -> None:
+    """For each SDPA kernel and pad multiple: a warm-up pass (compilation included), then a pass over fresh
+    shapes and the same pass again. Each (kernel, pad multiple) draws its own lengths, so no variant finds the
+    shapes an earlier one left in a cache."""
+    cfg = model.config
+    n = cfg.num_hidden_layers
+    seeds = iter(range(1000, 10**6))
+    out = res["sweep"] = {"tokens": args.sweep_tokens, "budget": args.budget, "variants": {}}
+    for att in args.attention.split(","):
+        torch._dynamo.reset()
+        backend = HFBackend(model=model, compile=True, attention=att)
+        backend.load("random", "bfloat16" if device.type == "cuda" else "float32", str(device), [2, n // 2, n - 3])
+        for pm in (int(x) if x.isdigit() else x for x in args.pad_multiples.split(",")):
+            label = f"{att}-pad{pm}"
+            try:
+                t = time.perf_counter()
+                sweep_pass(backend, planned_batches(4 * args.budget, args.budget, pm, next(seeds)), cfg.vocab_size,
+                           device)
+                warm_s = time.perf_counter() - t
+                batches = planned_batches(args.sweep_tokens, args.budget, pm, next(seeds))
+                flops = sum(model_flops_per_sample(cfg, np.full(len(x), L)) for L, x in batches)
+                first = sweep_pass(backend, batches, cfg.vocab_size, device, args.sweep_profile)
+                again = sweep_pass(backend, batches, cfg.vocab_size, device, args.sweep_profile)
+                v = {"warmup_s": round(warm_s, 1), "first": first, "again": again, "roofline_s": flops / peak,
+                     "new_shape_cost_s": (first["s"] - again["s"]) / max(first["distinct_shapes"], 1)}
+                out["variants"][label] = v
+                for k in first.get("profile_host_top", [])[:10]:
+                    print(f"   new shapes, host {k['self_cpu_ms']:8.1f} ms {k['count']:5d}x {k['name']}", flush=True)
+                for k in again.get("profile_host_top", [])[:5]:
+                    print(f"   same shapes, host {k['self_cpu_ms']:8.1f} ms {k['count']:5d}x {k['name']}", flush=True)
+                print(f"[sweep {label}] {first['batches']} batches, {first['distinct_shapes']} shapes, "
+                      f"{first['tokens']} tokens: new shapes {first['s']:.2f} s ({first['tokens'] / first['s']:.0f} "
+                      f"tok/s), same shapes again {again['s']:.2f} s ({again['tokens'] / again['s']:.0f} tok/s); "
+                      f"{1e3 * v['new_shape_cost_s']:.1f} ms a new shape; slowest first {first['slowest']}; "
+                      f"host side {first['host_s']:.2f} / {again['host_s']:.2f} s; "
+                      f"device mallocs {first['device_mallocs']} / {again['device_mallocs']}; "
+                      f"compiler {first['compiler_counters']} / {again['compiler_counters']}; "
+                      f"roofline {flops / peak:.2f} s (padded tokens)", flush=True)
+            except Exception as e:  # a kernel this build lacks must not lose the other figures
+                out["variants"][label] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}
+                print(f"[sweep {label}] {out['variants'][label]['error']}", flush=True)
+            save()
+        backend.close()
+
+
 # Inductor settings for the compiled forward: torch's default, and max-autotune, which times Triton GEMM templates
 # (with the elementwise work after a GEMM fused into its epilogue) against cuBLAS for each projection
 INDUCTOR_PRESETS = {
@@ -147,6 +268,12 @@ def main(argv=None) -> int:
     ap.add_argument("--inductor", default="default", help="Inductor settings the compiled forward is measured with "
                     f"(comma list of {', '.join(INDUCTOR_PRESETS)}); each compiles afresh")
     ap.add_argument("--no-eager", action="store_true", help="measure the compiled forward only")
+    ap.add_argument("--sweep-tokens", type=float, default=0, help="run the shape sweep over this many tokens "
+                    "instead of the tables (see above)")
+    ap.add_argument("--budget", type=int, default=32768, help="token budget of the sweep's batches")
+    ap.add_argument("--sweep-profile", type=int, default=0, help="profile the first N batches of each sweep pass "
+                    "(host and device time by op)")
+    ap.add_argument("--pad-multiples", default="1,auto", help="ExtractConfig.pad_multiple values the sweep runs")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     device, dtype = torch.device("cuda"), torch.bfloat16
@@ -160,6 +287,10 @@ def main(argv=None) -> int:
             Path(args.out).write_text(json.dumps(res, indent=2))
 
     model, _ = build_model(args.model, device, dtype, None)
+    if args.sweep_tokens:
+        shape_sweep(model, args, device, peak, res, save)
+        save()
+        return 0
     cfg, L_layers = model.config, model.config.num_hidden_layers
     layers = [2, L_layers // 2, L_layers - 3]
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]

@@ -120,6 +120,11 @@ PARAMS = {
                              description="Forward pass: HF modules, or fused q/k/v and gate/up GEMMs (Llama family)."),
     "extract_attention": Param("auto", enum=["auto", "flash", "cudnn", "efficient", "math"], section="Extraction",
                                description="SDPA attention kernel of the extraction forward (auto: torch picks)."),
+    "extract_pad_multiple": Param("auto", type=["string", "integer"], pattern="^(auto|[1-9][0-9]*)$", minimum=1,
+                                  section="Extraction",
+                                  description="Pad each batch's length to a multiple of this (1 = no extra padding), "
+                                              "so a shard meets few batch shapes; auto = up to 64 on GPU, padding "
+                                              "under 1/16 of the length, 1 on CPU."),
     # -- training and evaluation
     "ttt_steps": Param(7, type="integer", minimum=1, maximum=16, section="Training",
                        description="Training-time-test depth K."),
@@ -222,6 +227,7 @@ with DAG(
         storage_dtype="{{ params.storage_dtype }}",
         backend="{{ params.extract_backend }}",
         attention="{{ params.extract_attention }}",
+        pad_multiple="{{ params.extract_pad_multiple }}",
         chunk_mb="{{ params.chunk_mb }}",
         retries=SHARD_RETRIES,  # a killed or faulted shard resumes from its last committed chunk
         max_active_tis_per_dagrun=64,

@@ -38,13 +38,13 @@ class ExtractShardOperator(BaseOperator):
 
     template_fields: Sequence[str] = ("shard", "model_path", "extract_dir", "capture_layers", "dtype",
                                       "token_budget", "chunk_mb", "device", "writer_threads", "storage_dtype",
-                                      "compile", "backend", "attention")
+                                      "compile", "backend", "attention", "pad_multiple")
     ui_color = "#f9d9d9"
 
     def __init__(self, *, shard: Any, model_path: str, extract_dir: str, capture_layers: Any = None,
                  dtype: str = "auto", token_budget: Any = 16384, chunk_mb: Any = 1024, device: str = "auto",
                  writer_threads: Any = 6, storage_dtype: str = "auto", compile: Any = "auto", backend: str = "hf",
-                 attention: str = "auto", **kwargs):
+                 attention: str = "auto", pad_multiple: Any = "auto", **kwargs):
         super().__init__(**kwargs)
         self.shard = shard
         self.model_path = model_path
@@ -59,6 +59,7 @@ class ExtractShardOperator(BaseOperator):
         self.compile = compile
         self.backend = backend
         self.attention = attention
+        self.pad_multiple = pad_multiple
 
     def execute(self, context) -> dict:
         from eagle3.extract.extractor import ExtractConfig, extract_shard
@@ -76,6 +77,7 @@ class ExtractShardOperator(BaseOperator):
             compile=self.compile if isinstance(self.compile, bool) else str(self.compile),
             backend=str(self.backend),
             attention=str(self.attention),
+            pad_multiple=str(self.pad_multiple),  # "auto" or digits (a rendered template); the config checks it
         )
         out = extract_shard(cfg, dict(rendered(self.shard)))
         self.log.info("shard %d: %d chunks, %d tokens, %.2f GB, %.0f tok/s%s", out["shard"], out["chunks"],

@@ -44,7 +44,10 @@ def test_param_defaults_are_valid_and_bad_values_are_rejected(dag):
     for name, bad, why in (("num_shards", 0, "less than the minimum"), ("run_name", "../escape", "does not match"),
                            ("cap_policy", "sometimes", "is not one of"), ("capture_layers", [-1], "less than"),
                            ("datasets", [{"name": "A1"}], "'prompt_file' is a required property"),
-                           ("extract_attention", "flash3", "is not one of")):
+                           ("extract_attention", "flash3", "is not one of"),
+                           ("extract_pad_multiple", "sixty", "does not match"),
+                           ("extract_pad_multiple", "0", "does not match"),
+                           ("extract_pad_multiple", 0, "less than the minimum")):
         with pytest.raises(ParamValidationError, match=why):
             dag.params.get_param(name).resolve(value=bad)
 
@@ -56,6 +59,10 @@ def test_extraction_params_reach_the_mapped_operator(dag):
     assert kwargs["attention"] == "{{ params.extract_attention }}"
     assert kwargs["backend"] == "{{ params.extract_backend }}"
     assert dag.params["extract_attention"] == "auto"
+    assert kwargs["pad_multiple"] == "{{ params.extract_pad_multiple }}"
+    assert dag.params["extract_pad_multiple"] == "auto"
+    for good in ("auto", "64", 64):
+        assert dag.params.get_param("extract_pad_multiple").resolve(value=good) == good
     # the DAG spells the choices out (it must not import torch to be parsed); they stay those the core accepts
     from eagle3.extract.backend import SDPA_KERNELS
     from eagle3.extract.extractor import BACKENDS

@@ -298,8 +298,36 @@ def test_padding_batches_to_a_length_multiple_keeps_the_states(batched, spec, sm
         torch.testing.assert_close(s.final_hidden, final, rtol=1e-4, atol=1e-4)
     with pytest.raises(ConfigError, match="extracted with other params"):
         extract_shard(config(smollm2_path, batched[0].parent, pad_multiple=8), spec)
-    with pytest.raises(ConfigError, match="pad_multiple must be a positive int, got 0"):
+    with pytest.raises(ConfigError, match="pad_multiple must be a positive int or auto, got 0"):
         extract_shard(config(smollm2_path, tmp_path / "zero", pad_multiple=0), spec)
+
+
+def test_auto_padding_bounds_batch_lengths_and_their_padding(tmp_path):
+    """pad_multiple="auto" (the GPU default): lengths 256..8192 meet 145 padded lengths instead of 7,937, each
+    within 1/16 of the longest sample, multiples of 64 from 1,024 tokens on; the CPU resolves auto to 1 (its
+    kernels build nothing per shape); a rendered template ("16") parses to an int; anything else names the param."""
+    from eagle3.extract.extractor import AUTO_PAD_MULTIPLE, padded_length, plan_batches
+
+    padded = {n: padded_length(n, "auto") for n in range(1, 8193)}
+    assert all(n <= L and (L - n) * 16 < n for n, L in padded.items() if L != n)
+    assert all(L == n for n, L in padded.items() if n < 32)  # too short to pad by under 1/16
+    assert all(L % AUTO_PAD_MULTIPLE == 0 for n, L in padded.items() if n >= 16 * AUTO_PAD_MULTIPLE)
+    assert len({padded[n] for n in range(256, 8193)}) == 145
+    assert [padded_length(n, 64) for n in (1, 64, 65, 300)] == [64, 64, 128, 320]  # an int is an exact multiple
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(256, 8193, 2000)
+    batches = [b for c in plan_batches(lengths, np.arange(2000), 32768, 1 << 40, "auto") for b in c]
+    assert sorted(int(i) for b in batches for i in b) == list(range(2000))
+    assert all(len(b) * padded_length(int(lengths[b].max()), "auto") <= 32768 for b in batches)
+    assert len({(len(b), padded_length(int(lengths[b].max()), "auto")) for b in batches}) <= 2 * 145
+
+    base = dict(model_path="m", extract_dir=str(tmp_path))
+    assert ExtractConfig(**base, device="cpu").resolved().pad_multiple == 1
+    assert ExtractConfig(**base, device="cuda").resolved().pad_multiple == "auto"
+    assert ExtractConfig(**base, device="cpu", pad_multiple="16").resolved().pad_multiple == 16
+    for bad in ("sixty", "-4", 0, True):
+        with pytest.raises(ConfigError, match=f"pad_multiple must be a positive int or auto, got {bad!r}"):
+            ExtractConfig(**base, device="cpu", pad_multiple=bad).resolved()
 
 
 def test_fp8_storage_halves_bytes_and_stays_close(batched, spec, smollm2_path, reference, tmp_path):

@@ -75,10 +75,12 @@ class ExtractConfig:
     compile: bool | str = "auto"
     backend: str = "hf"  # "hf": HF transformers modules; "fused-llama": fused q/k/v and gate/up GEMMs (Llama family)
     attention: str = "auto"  # SDPA kernel: auto (torch picks), flash, cudnn, efficient, math
-    # right-pad every batch to a length that is a multiple of this, so a shard meets a bounded set of batch shapes
-    # (kernels that plan per shape, such as cuDNN attention, then plan once per bucket); 1 = pad to the longest
-    # sample only. Costs up to pad_multiple - 1 padded tokens a row; not yet measured on a GPU (docs/extract.md).
-    pad_multiple: int = 1
+    # right-pad every batch to a length that is a multiple of this, so a shard meets a bounded set of batch shapes:
+    # cuDNN attention builds a plan on the host for each new (rows, length), ~40-60 ms on the H200, which at the
+    # 135M shape made a run over new shapes 2.8x slower than over known ones (docs/benchmarks.md, run 9).
+    # 1 = pad to the longest sample only. "auto" = 1 on CPU; on GPU a multiple of up to AUTO_PAD_MULTIPLE, finer
+    # for short batches so padding stays under 1/16 of the length (auto_pad_step).
+    pad_multiple: int | str = "auto"
 
     def resolved(self) -> "ExtractConfig":
         c = ExtractConfig(**asdict(self))
@@ -100,10 +102,17 @@ class ExtractConfig:
             c.storage_dtype = c.dtype
         if c.storage_dtype not in STORAGE_DTYPES:
             raise ConfigError(f"storage_dtype={c.storage_dtype!r}: use one of {list(STORAGE_DTYPES)}")
+        if c.pad_multiple == "auto":
+            c.pad_multiple = "auto" if c.device.startswith("cuda") else 1
+        elif isinstance(c.pad_multiple, str) and c.pad_multiple.strip().isdigit():
+            c.pad_multiple = int(c.pad_multiple)
         for name in ("token_budget", "writer_threads", "pad_multiple"):
             v = getattr(c, name)
+            if name == "pad_multiple" and v == "auto":
+                continue
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ConfigError(f"{name} must be a positive int, got {v!r}")
+                raise ConfigError(f"{name} must be a positive int{' or auto' if name == 'pad_multiple' else ''}, "
+                                  f"got {v!r}")
         if isinstance(c.chunk_mb, bool) or not isinstance(c.chunk_mb, (int, float)) or not c.chunk_mb > 0:
             raise ConfigError(f"chunk_mb must be a positive number, got {c.chunk_mb!r}")
         return c
@@ -111,13 +120,26 @@ class ExtractConfig:
 
 # -- the deterministic work plan ----------------------------------------------------------
 
-def padded_length(longest: int, pad_multiple: int) -> int:
-    """The length a batch is right-padded to: its longest sample, rounded up to a multiple of pad_multiple."""
-    return -(-max(longest, 1) // pad_multiple) * pad_multiple
+AUTO_PAD_MULTIPLE = 64
+
+
+def auto_pad_step(longest: int) -> int:
+    """pad_multiple="auto" on GPU: AUTO_PAD_MULTIPLE, or for a batch under 16 x that the largest power of two
+    <= longest / 16, so padding stays under 1/16 of the length while a shard meets few lengths (samples of
+    256..8192 tokens: 145 instead of 7,937)."""
+    return min(AUTO_PAD_MULTIPLE, 1 << max(0, (longest // 16).bit_length() - 1))
+
+
+def padded_length(longest: int, pad_multiple: int | str) -> int:
+    """The length a batch is right-padded to: its longest sample, rounded up to a multiple of pad_multiple
+    (of auto_pad_step for "auto")."""
+    longest = max(longest, 1)
+    step = auto_pad_step(longest) if pad_multiple == "auto" else pad_multiple
+    return -(-longest // step) * step
 
 
 def plan_batches(lengths: np.ndarray, rows: np.ndarray, token_budget: int, chunk_tokens: int,
-                 pad_multiple: int = 1) -> list[list[np.ndarray]]:
+                 pad_multiple: int | str = 1) -> list[list[np.ndarray]]:
     """Chunks -> batches -> local sample indices. Longest first, so an OOM shows up at once."""
     order = np.lexsort((rows, -lengths))
     batches, i, n = [], 0, len(order)
