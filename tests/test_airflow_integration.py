@@ -185,13 +185,17 @@ def browser():
 
 
 def wait_for(driver, css: str, timeout: float = 40, visible_text: str | None = None):
+    from selenium.common.exceptions import StaleElementReferenceException
     from selenium.webdriver.common.by import By
 
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        els = [e for e in driver.find_elements(By.CSS_SELECTOR, css) if e.is_displayed()]
-        if visible_text is not None:
-            els = [e for e in els if visible_text in e.text]
+        try:
+            els = [e for e in driver.find_elements(By.CSS_SELECTOR, css) if e.is_displayed()]
+            if visible_text is not None:
+                els = [e for e in els if visible_text in e.text]
+        except StaleElementReferenceException:  # the UI re-rendered between finding and reading: look again
+            els = []
         if els:
             return els[0]
         time.sleep(0.3)

@@ -361,6 +361,35 @@ def test_compiled_backend_equals_eager_and_compiles_once_for_all_layers(dataset,
     assert 2 <= counters["stats"]["unique_graphs"] <= 4, dict(counters["stats"])
 
 
+def test_compiled_graph_runs_the_pinned_kernel_after_another_kernel_filled_the_cache(smollm2_path, tmp_path,
+                                                                                       monkeypatch):
+    """torch's compile caches key a graph without the SDPA kernel it was traced under (pytorch#185449; on the H200
+    a cudnn run was handed a FlashAttention graph). A compiled run with attention="math" after one with "flash",
+    same model, same cache folder, must run the math path, and the flash run its flash kernel."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from eagle3.extract.backend import HFBackend
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor-cache"))
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(smollm2_path), dtype=torch.float32)
+    ids = torch.randint(3, 1000, (2, 24))
+    ran = {}
+    for attention in ("flash", "math"):
+        torch._dynamo.reset()
+        backend = HFBackend(model=model, compile=True, attention=attention)
+        backend.load(str(smollm2_path), "float32", "cpu", [2, 15])
+        backend.capture(ids)  # compiles
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            backend.capture(ids)
+        ran[attention] = {e.key for e in prof.key_averages()}
+        backend.close()
+    flash_op = "aten::_scaled_dot_product_flash_attention_for_cpu"
+    assert flash_op in ran["flash"]
+    assert flash_op not in ran["math"], sorted(k for k in ran["math"] if k.startswith("aten::"))
+
+
 def test_compile_param_resolves_per_device_and_rejects_junk(tmp_path):
     base = dict(model_path="m", extract_dir=str(tmp_path))
     assert ExtractConfig(**base, device="cpu").resolved().compile is False

@@ -66,6 +66,17 @@ def pinned_attention(attention: str, device):
         raise
 
 
+def compile_for(fn, attention: str):
+    """torch.compile with dynamic shapes, for a forward run under `attention`. torch's compile caches (Inductor's
+    FX graph cache, the AOTAutograd cache, on disk across processes) key a graph without the SDPA kernel it was
+    traced under (pytorch/pytorch#185449): a pinned kernel can be handed a graph traced for another (seen on the
+    H200: attention="cudnn" ran FlashAttention after a flash run had filled the cache) and leaves its own graph for
+    later runs of other kernels. So a pinned kernel compiles without them (every task traces afresh); "auto" keeps
+    them."""
+    options = None if attention == "auto" else {"fx_graph_cache": False}  # the AOTAutograd cache needs it too
+    return torch.compile(fn, dynamic=True, options=options)
+
+
 class ExtractionBackend(Protocol):
     hidden_size: int
     num_layers: int
@@ -144,11 +155,14 @@ class HFBackend:
         """Regional compilation: each decoder layer's forward (and the final norm) is compiled, with
         dynamic batch and length, fusing the elementwise work eager mode runs as separate kernels
         (RMSNorm's fp32 upcast, RoPE, SiLU x up, residual adds). The layers share one code object, so
-        one graph serves them all; the capture hooks stay outside the compiled region."""
+        one graph serves them all; the capture hooks stay outside the compiled region. A preloaded model
+        compiled before for another kernel is compiled again from its eager forward (compile_for's caches)."""
         for module in [*layers, self.base.norm]:
-            if not getattr(module, "_eagle3_compiled", False):
-                module.forward = torch.compile(module.forward, dynamic=True)
-                module._eagle3_compiled = True
+            if getattr(module, "_eagle3_compiled", None) != self.attention:
+                eager = module.__dict__.get("_eagle3_eager_forward", module.forward)
+                module._eagle3_eager_forward = eager
+                module.forward = compile_for(eager, self.attention)
+                module._eagle3_compiled = self.attention
 
     def _make_hook(self, index: int):
         def hook(module, args, output):

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from eagle3.errors import ConfigError
-from eagle3.extract.backend import check_attention, load_decoder, pinned_attention
+from eagle3.extract.backend import check_attention, compile_for, load_decoder, pinned_attention
 from eagle3.models import ModelInfo
 
 
@@ -95,7 +95,7 @@ class FusedLlamaBackend:
                 for lin in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj,
                             layer.mlp.gate_proj, layer.mlp.up_proj):
                     lin.weight = None
-        self._layer = torch.compile(decoder_layer, dynamic=True) if self.compile else decoder_layer
+        self._layer = compile_for(decoder_layer, self.attention) if self.compile else decoder_layer
 
     @staticmethod
     def _check_supported(cfg, base) -> None:
