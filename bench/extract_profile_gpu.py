@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from extract_bench import build_model, matmul_probe, model_flops_per_sample  # noqa: E402
 
 from eagle3.extract.backend import HFBackend, sdpa_context  # noqa: E402
-from eagle3.extract.extractor import padded_length, plan_batches  # noqa: E402
+from eagle3.extract.extractor import padded_length, plan_batches, real_token_index  # noqa: E402
 
 
 def gpu_time(fn, reps: int) -> float:
@@ -166,7 +166,7 @@ def sweep_pass(backend, batches, vocab: int, device, profile_batches: int = 0) -
     times, host, shapes, prof = [], [], set(), None
     for i, (L, lens) in enumerate(batches):
         ids = torch.randint(3, vocab, (len(lens), L), device=device)
-        real = torch.from_numpy(np.concatenate([np.arange(j * L, j * L + int(n)) for j, n in enumerate(lens)]))
+        real = torch.from_numpy(real_token_index(lens, L))
         sync()
         if i == 0 and profile_batches:
             from torch.profiler import ProfilerActivity, profile

@@ -5,9 +5,9 @@ Data generation runs llama.cpp's OpenAI-compatible server on the model's GGUF as
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
+from eagle3.datagen.llama_cpp_server import command_template
 from eagle3.models import find_smollm2_gguf
 
 REPO = Path(__file__).resolve().parents[1]
@@ -27,8 +27,7 @@ print(json.dumps({
         {"name": "B1", "prompt_file": str(REPO / "data/demo/B1.jsonl"), "max_tokens": 200, "drop_truncated": False},
     ],
     "datagen_mode": "local",
-    "server_command": f"{sys.executable} -m eagle3.datagen.llama_cpp_server --model {{gguf}} --host {{host}} "
-                      "--port {port} --model_alias smollm2",
+    "server_command": command_template("smollm2"),
     "gguf": str(find_smollm2_gguf()),
     "served_model_name": "smollm2",
     "datagen_client": {"concurrency": 4},

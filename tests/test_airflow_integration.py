@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import sys
 import time
 from urllib.parse import urlencode
 from datetime import datetime
@@ -38,6 +37,7 @@ def when(ts: str) -> float:
 
 def real_conf(root: Path, run_name: str) -> dict:
     """The real DAG at toy sizes: 2 datasets x 6 prompts, 2 shards of > 256 tokens (>= 2 chunks), a few training steps."""
+    from eagle3.datagen.llama_cpp_server import command_template
     from eagle3.models import ensure_smollm2, find_smollm2_gguf
 
     eval_prompts = root / "eval.jsonl"
@@ -48,8 +48,7 @@ def real_conf(root: Path, run_name: str) -> dict:
     return {
         "model_path": str(ensure_smollm2()), "output_root": str(root), "run_name": run_name, "allow_cpu": True,
         "datasets": datasets, "datagen_mode": "local", "gguf": str(find_smollm2_gguf()),
-        "server_command": f"{sys.executable} -m eagle3.datagen.llama_cpp_server --model {{gguf}} --host {{host}} "
-                          "--port {port} --model_alias smollm2",
+        "server_command": command_template("smollm2"),
         "served_model_name": "smollm2", "datagen_client": {"concurrency": 2},
         # 0.3 MiB = 34 fp32 tokens, so each forward batch (<= 256 tokens) is its own chunk: >= 2 chunks a shard
         "num_shards": 2, "chunk_mb": 0.3, "token_budget": 256,

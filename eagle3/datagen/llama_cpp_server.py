@@ -12,8 +12,14 @@ replies. The server has no setting for it, so the model's default params are wra
 from __future__ import annotations
 
 import runpy
+import sys
 
-import llama_cpp.llama
+
+def command_template(model_alias: str = "smollm2") -> str:
+    """The `server_command` (LocalServer placeholders {gguf} {host} {port}) that starts this wrapper with this
+    Python: the demo's and the tests' local endpoint."""
+    return (f"{sys.executable} -m eagle3.datagen.llama_cpp_server --model {{gguf}} --host {{host}} --port {{port}} "
+            f"--model_alias {model_alias}")
 
 
 def _without_extra_buffers(default_params):
@@ -25,6 +31,8 @@ def _without_extra_buffers(default_params):
 
 
 def main() -> None:
+    import llama_cpp.llama  # here, not at the top: command_template must not need llama-cpp-python installed
+
     low_level = llama_cpp.llama.llama_cpp  # the ctypes module the Llama class takes its defaults from
     low_level.llama_model_default_params = _without_extra_buffers(low_level.llama_model_default_params)
     runpy.run_module("llama_cpp.server", run_name="__main__", alter_sys=True)

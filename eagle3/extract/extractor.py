@@ -102,20 +102,22 @@ class ExtractConfig:
             c.storage_dtype = c.dtype
         if c.storage_dtype not in STORAGE_DTYPES:
             raise ConfigError(f"storage_dtype={c.storage_dtype!r}: use one of {list(STORAGE_DTYPES)}")
+        for name in ("token_budget", "writer_threads"):
+            if not _positive_int(getattr(c, name)):
+                raise ConfigError(f"{name} must be a positive int, got {getattr(c, name)!r}")
         if c.pad_multiple == "auto":
             c.pad_multiple = "auto" if c.device.startswith("cuda") else 1
         elif isinstance(c.pad_multiple, str) and c.pad_multiple.strip().isdigit():
             c.pad_multiple = int(c.pad_multiple)
-        for name in ("token_budget", "writer_threads", "pad_multiple"):
-            v = getattr(c, name)
-            if name == "pad_multiple" and v == "auto":
-                continue
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ConfigError(f"{name} must be a positive int{' or auto' if name == 'pad_multiple' else ''}, "
-                                  f"got {v!r}")
+        if c.pad_multiple != "auto" and not _positive_int(c.pad_multiple):
+            raise ConfigError(f"pad_multiple must be a positive int or auto, got {c.pad_multiple!r}")
         if isinstance(c.chunk_mb, bool) or not isinstance(c.chunk_mb, (int, float)) or not c.chunk_mb > 0:
             raise ConfigError(f"chunk_mb must be a positive number, got {c.chunk_mb!r}")
         return c
+
+
+def _positive_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 1
 
 
 # -- the deterministic work plan ----------------------------------------------------------
@@ -136,6 +138,11 @@ def padded_length(longest: int, pad_multiple: int | str) -> int:
     longest = max(longest, 1)
     step = auto_pad_step(longest) if pad_multiple == "auto" else pad_multiple
     return -(-longest // step) * step
+
+
+def real_token_index(lens: np.ndarray, L: int) -> np.ndarray:
+    """Flat indices of the real tokens in a [len(lens), L] right-padded batch: row j's first lens[j] positions."""
+    return np.concatenate([np.arange(j * L, j * L + int(n)) for j, n in enumerate(lens)])
 
 
 def plan_batches(lengths: np.ndarray, rows: np.ndarray, token_budget: int, chunk_tokens: int,
@@ -516,7 +523,7 @@ class ShardExtractor:
                     ids = np.full((B, L), pad_id, dtype=np.int64)
                     for j, i in enumerate(b):
                         ids[j, :lens[j]] = data.sample(int(i))[0]
-                    real = np.concatenate([np.arange(j * L, j * L + int(n)) for j, n in enumerate(lens)])
+                    real = real_token_index(lens, L)
                     n = len(real)
                     ids_t, real_t = torch.from_numpy(ids), torch.from_numpy(real)
                     if cuda:

@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
+
+from eagle3.datagen.llama_cpp_server import command_template
 
 
 def llama_server_command() -> str:
     """The local-server command template the tests (and the demo) use in place of SGLang."""
-    return (f"{sys.executable} -m eagle3.datagen.llama_cpp_server --model {{gguf}} --host {{host}} --port {{port}} "
-            f"--model_alias smollm2")
+    return command_template("smollm2")
 
 
 def write_jsonl(path: Path, rows) -> Path:
