@@ -31,11 +31,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import gc
 import itertools
 import json
 import logging
 import os
 import platform
+import queue
 import shutil
 import statistics
 import sys
@@ -48,8 +50,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import eagle3.extract.extractor as extractor_module  # noqa: E402
 import eagle3.extract.format as chunk_format  # noqa: E402
-from eagle3.extract.extractor import BACKENDS, ExtractConfig, ShardExtractor  # noqa: E402
+from eagle3.extract.extractor import BACKENDS, ExtractConfig, HostBufferPool, ShardExtractor  # noqa: E402
 from eagle3.extract.format import _start_writeback  # noqa: E402
 from eagle3.extract.plan import plan_shards  # noqa: E402
 from eagle3.extract.synthetic import write_merged_dataset  # noqa: E402
@@ -237,15 +240,55 @@ def no_early_writeback():
         chunk_format._start_writeback = real
 
 
-# side-by-side baselines of the write path for the interleaved rounds: name -> (extractor class, context)
+class PinOnComputeThread(HostBufferPool):
+    """The baseline of the host buffers (until 2026-12-03, seventh session): the compute thread made (pinned) a
+    buffer itself when none was free and fewer than the limit existed, between two forward passes."""
+
+    def start(self):
+        return self
+
+    def get(self, timeout):
+        try:
+            return self.free.get_nowait()
+        except queue.Empty:
+            pass
+        if self.made < self.limit:
+            self.made += 1
+            t = time.perf_counter()
+            try:
+                return self.make()
+            finally:
+                self.made_s += time.perf_counter() - t
+                self.waited_for_make_s += time.perf_counter() - t
+        t = time.perf_counter()
+        try:
+            return self.free.get(timeout=timeout)
+        except queue.Empty:
+            return None
+        finally:
+            self.waited_s += time.perf_counter() - t
+
+
+@contextlib.contextmanager
+def pin_on_compute_thread():
+    real = extractor_module.HostBufferPool
+    extractor_module.HostBufferPool = PinOnComputeThread
+    try:
+        yield
+    finally:
+        extractor_module.HostBufferPool = real
+
+
+# side-by-side baselines for the interleaved rounds: name -> (extractor class, context)
 BASELINES = {"writer-waits-for-commit": (WriterWaitsForItsCommit, contextlib.nullcontext),
-             "no-early-writeback": (ShardExtractor, no_early_writeback)}
+             "no-early-writeback": (ShardExtractor, no_early_writeback),
+             "pin-on-compute-thread": (ShardExtractor, pin_on_compute_thread)}
 
 
 def run_extractor(model, model_path, samples, layers, device, dtype_name, work: Path, budget: int,
                   writers: int, chunk_mb: int, storage: str = "auto", compile: bool = False,
                   backend_name: str = "hf", attention: str = "auto", extractor=ShardExtractor,
-                  pad_multiple: int | str = "auto") -> dict:
+                  pad_multiple: int | str = "auto", cold_host_buffers: bool = False) -> dict:
     merge = work / "merge"
     shutil.rmtree(work, ignore_errors=True)
     write_merged_dataset(merge, samples, rows_per_file=512)
@@ -257,6 +300,12 @@ def run_extractor(model, model_path, samples, layers, device, dtype_name, work: 
                         writer_threads=writers, log_every_s=5.0, storage_dtype=storage, compile=compile,
                         backend=backend_name, attention=attention, pad_multiple=pad_multiple)
     backend = BACKENDS[backend_name](model=model, compile=compile, attention=attention)
+    if cold_host_buffers and device.type == "cuda":
+        # torch keeps freed pinned blocks for reuse: without this a run after the first pins nothing, unlike a
+        # task in a fresh process (torch 2.11 has no public call for it)
+        gc.collect()
+        torch.cuda.synchronize(device)
+        torch._C._host_emptyCache()
     t = time.perf_counter()
     out = extractor(cfg, spec, backend=backend, model_config=mc).run()
     wall = time.perf_counter() - t
@@ -282,7 +331,8 @@ def interleaved_rounds(rounds: int, probe, extracts: dict, bytes_per_token: int)
                          "bytes": r["bytes"], "disk_before": probes[-2], "disk_after": probes[-1],
                          "disk_limit_tok_per_s": limit, "fraction_of_disk_limit": r["tok_per_s_wall"] / limit,
                          **{k: r.get(k) for k in ("compute_waited_for_writers_s", "writer_busy_fraction",
-                                                  "host_buffer_alloc_s")}})
+                                                                  "host_buffer_alloc_s", "compute_waited_for_host_buffer_alloc_s",
+                                                  "setup_s", "tail_s")}})
             print(f"round {i} {label}: {r['tok_per_s_wall']:.0f} tok/s wall ({r['bytes'] / r['wall_s'] / 1e9:.2f} "
                   f"GB/s), disk {probes[-2] / 1e9:.2f} -> {probes[-1] / 1e9:.2f} GB/s, "
                   f"{100 * runs[-1]['fraction_of_disk_limit']:.0f}% of the disk limit; compute waited for writers "
@@ -338,6 +388,8 @@ def main(argv=None) -> int:
     ap.add_argument("--fresh-rounds", action="store_true", help="every run in the rounds extracts new samples (same "
                     "length distribution, new seed), as a production shard meets new batch shapes all the time; "
                     "without it the rounds repeat the first run's samples and shapes")
+    ap.add_argument("--cold-host-buffers", action="store_true", help="empty torch's cache of pinned host memory "
+                    "before every extractor run, so each pins its chunk buffers as a task in a fresh process does")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
@@ -416,7 +468,7 @@ def main(argv=None) -> int:
                               writers_best, chunk_mb)
                 for w in [int(x) for x in args.writers.split(",")]:
                     variants[w] = run_extractor(model, model_path, samples, layers, device, dtype_name,
-                                                work / "ext", budget, w, chunk_mb)
+                                                work / "ext", budget, w, chunk_mb, cold_host_buffers=args.cold_host_buffers)
                     print(f"[{name}] writers={w}: {variants[w]['tok_per_s_wall']:.0f} tok/s wall, "
                           f"{variants[w]['steady_tok_per_s']:.0f} steady", flush=True)
                 writers_best = max(variants, key=lambda w: variants[w]["tok_per_s_wall"])
@@ -434,13 +486,15 @@ def main(argv=None) -> int:
                               writers_best, chunk_mb, compile=True, backend_name=backend_name, attention=attention)
                 warm_s = time.perf_counter() - t
                 v = run_extractor(model, model_path, samples, layers, device, dtype_name, work / "ext", budget,
-                                  writers_best, chunk_mb, compile=True, backend_name=backend_name, attention=attention)
+                                  writers_best, chunk_mb, compile=True, backend_name=backend_name, attention=attention,
+                                  cold_host_buffers=args.cold_host_buffers)
                 v["warmup_with_compile_s"] = round(warm_s, 1)
                 print(f"[{name}] {label}: {v['tok_per_s_wall']:.0f} tok/s wall, {v['steady_tok_per_s']:.0f} between "
                       f"first and last commit; setup {v.get('setup_s', 0):.1f} s, tail {v.get('tail_s', 0):.1f} s "
                       f"of {v['wall_s']:.1f} s (warm-up incl. compile {warm_s:.0f} s); compute waited for writers "
                       f"{v.get('compute_waited_for_writers_s')} s, writers busy {v.get('writer_busy_fraction')}, "
-                      f"host buffers made in {v.get('host_buffer_alloc_s')} s", flush=True)
+                      f"host buffers made in {v.get('host_buffer_alloc_s')} s (compute waited "
+                      f"{v.get('compute_waited_for_host_buffer_alloc_s')} s for them)", flush=True)
                 variants[label] = v
                 if ext is None or v["tok_per_s_wall"] > ext["tok_per_s_wall"]:
                     ext = dict(v, writer_threads=writers_best, compile=True, backend=backend_name, attention=attention)
@@ -484,7 +538,8 @@ def main(argv=None) -> int:
                             if args.fresh_rounds else samples)
                     with context():
                         return run_extractor(model, model_path, mine, layers, device, dtype_name, work / "ext",
-                                             budget, w, chunk_mb, extractor=extractor, pad_multiple=pad_multiple, **kw)
+                                             budget, w, chunk_mb, extractor=extractor, pad_multiple=pad_multiple,
+                                             cold_host_buffers=args.cold_host_buffers, **kw)
 
                 extracts = {}
                 for pm in (int(x) if x.isdigit() else x for x in args.pad_multiples.split(",")):
@@ -510,6 +565,19 @@ def main(argv=None) -> int:
                 print(f"[{name}] against the sustained matmul rate ({sustained[0]['sustained'] / 1e12:.0f} before, "
                       f"{sustained[1]['sustained'] / 1e12:.0f} TFLOP/s after): roofline {roof_s:.0f} tok/s -> "
                       f"{100 * ext['tok_per_s_wall'] / lim_s:.0f}% of min(roofline, disk limit)", flush=True)
+                # the rounds against min(sustained roofline, the disk around each run); x naive
+                for rr in r.get("interleaved", {}).get("runs", []):
+                    lim_r = min(roof_s, rr["disk_limit_tok_per_s"])
+                    rr["fraction_of_limit_sustained"] = rr["tok_per_s_wall"] / lim_r
+                    rr["steady_fraction_of_limit_sustained"] = rr["steady_tok_per_s"] / lim_r
+                    rr["ratio_to_naive"] = rr["tok_per_s_wall"] / naive["tok_per_s"]
+                    print(f"[{name}] {rr['variant']}: {rr['tok_per_s_wall']:.0f} tok/s wall "
+                          f"({rr['steady_tok_per_s']:.0f} between first and last commit) = "
+                          f"{100 * rr['fraction_of_limit_sustained']:.1f}% "
+                          f"({100 * rr['steady_fraction_of_limit_sustained']:.1f}%) of min(sustained roofline, "
+                          f"disk), {rr['ratio_to_naive']:.2f}x naive; setup {rr.get('setup_s')} s, tail "
+                          f"{rr.get('tail_s')} s, compute waited for buffer pinning "
+                          f"{rr.get('compute_waited_for_host_buffer_alloc_s')} s", flush=True)
             if device.type == "cuda":
                 r["peak_gpu_mem_gb"] = torch.cuda.max_memory_allocated(device) / 1e9
                 torch.cuda.reset_peak_memory_stats(device)
