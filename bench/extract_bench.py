@@ -270,19 +270,25 @@ class PinOnComputeThread(HostBufferPool):
 
 
 @contextlib.contextmanager
-def pin_on_compute_thread():
-    real = extractor_module.HostBufferPool
-    extractor_module.HostBufferPool = PinOnComputeThread
+def pin_with_cudahostalloc(pool=None):
+    """The baseline of the pinning call (until 2026-12-03, seventh session): torch's default, cudaHostAlloc,
+    with the host buffer pool `pool` (default: the extractor's own)."""
+    real_pool, real_register = extractor_module.HostBufferPool, extractor_module.pin_by_registering
+    extractor_module.HostBufferPool = pool or real_pool
+    extractor_module.pin_by_registering = lambda threads=0: False
+    if torch.cuda.is_available():
+        torch.cuda.memory._set_allocator_settings("pinned_use_cuda_host_register:False")
     try:
         yield
     finally:
-        extractor_module.HostBufferPool = real
+        extractor_module.HostBufferPool, extractor_module.pin_by_registering = real_pool, real_register
 
 
 # side-by-side baselines for the interleaved rounds: name -> (extractor class, context)
 BASELINES = {"writer-waits-for-commit": (WriterWaitsForItsCommit, contextlib.nullcontext),
              "no-early-writeback": (ShardExtractor, no_early_writeback),
-             "pin-on-compute-thread": (ShardExtractor, pin_on_compute_thread)}
+             "pin-with-cudahostalloc": (ShardExtractor, pin_with_cudahostalloc),
+             "pin-on-compute-thread": (ShardExtractor, functools.partial(pin_with_cudahostalloc, PinOnComputeThread))}
 
 
 def run_extractor(model, model_path, samples, layers, device, dtype_name, work: Path, budget: int,

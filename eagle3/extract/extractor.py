@@ -23,6 +23,7 @@ chunk of the plan, overwriting any uncommitted chunk file a killed run left.
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
@@ -348,6 +349,26 @@ class HostBufferPool:
         return buf
 
 
+PIN_REGISTER_THREADS = 8
+
+
+def pin_by_registering(threads: int = PIN_REGISTER_THREADS) -> bool:
+    """Have torch pin host memory as malloc + page faults in `threads` threads + cudaHostRegister instead of
+    cudaHostAlloc, which holds a driver lock for as long as it takes to pin the whole buffer (~0.9 s a GB on the
+    H200 machine), so pinning in a background thread still stalled the compute thread's CUDA calls
+    (docs/benchmarks.md run 10). Process-wide; left alone when PYTORCH_CUDA_ALLOC_CONF already sets a pinned_
+    option. Returns whether it set it."""
+    if "pinned_" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""):
+        return False
+    try:  # torch has no public call for it (2.11); an older or newer torch without it pins its default way
+        torch.cuda.memory._set_allocator_settings(
+            f"pinned_use_cuda_host_register:True,pinned_num_register_threads:{threads}")
+    except (AttributeError, RuntimeError) as e:
+        log.warning("could not switch torch's pinned memory to cudaHostRegister (%s): pinning with cudaHostAlloc", e)
+        return False
+    return True
+
+
 def _store(dst: torch.Tensor, scale: torch.Tensor | None, x: torch.Tensor) -> None:
     """dst[:] = x in the storage dtype; for fp8, one scale per token so amax maps to the fp8 max."""
     if scale is None:
@@ -533,6 +554,8 @@ class ShardExtractor:
                 torch.cuda.set_device(index)  # the maker thread's CUDA calls go to the run's device, not device 0
             return _StateBuffers(max_chunk, n_cap, H, self.storage, "cpu", pin=cuda)
 
+        if cuda:
+            pin_by_registering()
         pool = HostBufferPool(self.cfg.writer_threads + 1 if cuda else 2, host_buffer).start()
         try:
             self._extract_with(data, todo, start, pool, max_batch)
