@@ -23,6 +23,8 @@ Llama shapes (SmolLM2-135M, Llama-3.2-1B, Llama-3.1-8B) built from a config on t
         --round-probe-gb 18 --baselines writer-waits-for-commit,no-early-writeback  # the write path vs its baselines
     python bench/extract_bench.py --models 135m --tokens 4e6 --writers 6 --compile 135m --no-eager --rounds 3 \
         --round-probe-gb 18 --fresh-rounds --pad-multiples 1,auto   # new shapes each run; length buckets
+    python bench/extract_bench.py --models 8b --tokens 1.6e6 --writers 6 --compile 8b --no-eager --rounds 2 \
+        --fresh-rounds --cold-host-buffers --matmul-seconds 8   # vs the sustained roofline, pinning afresh
     python bench/extract_bench.py --models real --device cpu --dtype bfloat16 --tokens 2e4 --min-len 64 --max-len 512
 """
 
@@ -37,7 +39,6 @@ import json
 import logging
 import os
 import platform
-import queue
 import shutil
 import statistics
 import sys
@@ -50,9 +51,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import eagle3.extract.extractor as extractor_module  # noqa: E402
 import eagle3.extract.format as chunk_format  # noqa: E402
-from eagle3.extract.extractor import BACKENDS, ExtractConfig, HostBufferPool, ShardExtractor  # noqa: E402
+from eagle3.extract.extractor import BACKENDS, ExtractConfig, ShardExtractor  # noqa: E402
 from eagle3.extract.format import _start_writeback  # noqa: E402
 from eagle3.extract.plan import plan_shards  # noqa: E402
 from eagle3.extract.synthetic import write_merged_dataset  # noqa: E402
@@ -240,55 +240,9 @@ def no_early_writeback():
         chunk_format._start_writeback = real
 
 
-class PinOnComputeThread(HostBufferPool):
-    """The baseline of the host buffers (until 2026-12-03, seventh session): the compute thread made (pinned) a
-    buffer itself when none was free and fewer than the limit existed, between two forward passes."""
-
-    def start(self):
-        return self
-
-    def get(self, timeout):
-        try:
-            return self.free.get_nowait()
-        except queue.Empty:
-            pass
-        if self.made < self.limit:
-            self.made += 1
-            t = time.perf_counter()
-            try:
-                return self.make()
-            finally:
-                self.made_s += time.perf_counter() - t
-                self.waited_for_make_s += time.perf_counter() - t
-        t = time.perf_counter()
-        try:
-            return self.free.get(timeout=timeout)
-        except queue.Empty:
-            return None
-        finally:
-            self.waited_s += time.perf_counter() - t
-
-
-@contextlib.contextmanager
-def pin_with_cudahostalloc(pool=None):
-    """The baseline of the pinning call (until 2026-12-03, seventh session): torch's default, cudaHostAlloc,
-    with the host buffer pool `pool` (default: the extractor's own)."""
-    real_pool, real_register = extractor_module.HostBufferPool, extractor_module.pin_by_registering
-    extractor_module.HostBufferPool = pool or real_pool
-    extractor_module.pin_by_registering = lambda threads=0: False
-    if torch.cuda.is_available():
-        torch.cuda.memory._set_allocator_settings("pinned_use_cuda_host_register:False")
-    try:
-        yield
-    finally:
-        extractor_module.HostBufferPool, extractor_module.pin_by_registering = real_pool, real_register
-
-
-# side-by-side baselines for the interleaved rounds: name -> (extractor class, context)
+# side-by-side baselines of the write path for the interleaved rounds: name -> (extractor class, context)
 BASELINES = {"writer-waits-for-commit": (WriterWaitsForItsCommit, contextlib.nullcontext),
-             "no-early-writeback": (ShardExtractor, no_early_writeback),
-             "pin-with-cudahostalloc": (ShardExtractor, pin_with_cudahostalloc),
-             "pin-on-compute-thread": (ShardExtractor, functools.partial(pin_with_cudahostalloc, PinOnComputeThread))}
+             "no-early-writeback": (ShardExtractor, no_early_writeback)}
 
 
 def run_extractor(model, model_path, samples, layers, device, dtype_name, work: Path, budget: int,
@@ -337,8 +291,7 @@ def interleaved_rounds(rounds: int, probe, extracts: dict, bytes_per_token: int)
                          "bytes": r["bytes"], "disk_before": probes[-2], "disk_after": probes[-1],
                          "disk_limit_tok_per_s": limit, "fraction_of_disk_limit": r["tok_per_s_wall"] / limit,
                          **{k: r.get(k) for k in ("compute_waited_for_writers_s", "writer_busy_fraction",
-                                                                  "host_buffer_alloc_s", "compute_waited_for_host_buffer_alloc_s",
-                                                  "setup_s", "tail_s")}})
+                                                  "host_buffer_alloc_s", "setup_s", "tail_s")}})
             print(f"round {i} {label}: {r['tok_per_s_wall']:.0f} tok/s wall ({r['bytes'] / r['wall_s'] / 1e9:.2f} "
                   f"GB/s), disk {probes[-2] / 1e9:.2f} -> {probes[-1] / 1e9:.2f} GB/s, "
                   f"{100 * runs[-1]['fraction_of_disk_limit']:.0f}% of the disk limit; compute waited for writers "
@@ -474,7 +427,8 @@ def main(argv=None) -> int:
                               writers_best, chunk_mb)
                 for w in [int(x) for x in args.writers.split(",")]:
                     variants[w] = run_extractor(model, model_path, samples, layers, device, dtype_name,
-                                                work / "ext", budget, w, chunk_mb, cold_host_buffers=args.cold_host_buffers)
+                                                work / "ext", budget, w, chunk_mb,
+                                                cold_host_buffers=args.cold_host_buffers)
                     print(f"[{name}] writers={w}: {variants[w]['tok_per_s_wall']:.0f} tok/s wall, "
                           f"{variants[w]['steady_tok_per_s']:.0f} steady", flush=True)
                 writers_best = max(variants, key=lambda w: variants[w]["tok_per_s_wall"])
@@ -499,8 +453,7 @@ def main(argv=None) -> int:
                       f"first and last commit; setup {v.get('setup_s', 0):.1f} s, tail {v.get('tail_s', 0):.1f} s "
                       f"of {v['wall_s']:.1f} s (warm-up incl. compile {warm_s:.0f} s); compute waited for writers "
                       f"{v.get('compute_waited_for_writers_s')} s, writers busy {v.get('writer_busy_fraction')}, "
-                      f"host buffers made in {v.get('host_buffer_alloc_s')} s (compute waited "
-                      f"{v.get('compute_waited_for_host_buffer_alloc_s')} s for them)", flush=True)
+                      f"host buffers made in {v.get('host_buffer_alloc_s')} s", flush=True)
                 variants[label] = v
                 if ext is None or v["tok_per_s_wall"] > ext["tok_per_s_wall"]:
                     ext = dict(v, writer_threads=writers_best, compile=True, backend=backend_name, attention=attention)
@@ -582,8 +535,7 @@ def main(argv=None) -> int:
                           f"{100 * rr['fraction_of_limit_sustained']:.1f}% "
                           f"({100 * rr['steady_fraction_of_limit_sustained']:.1f}%) of min(sustained roofline, "
                           f"disk), {rr['ratio_to_naive']:.2f}x naive; setup {rr.get('setup_s')} s, tail "
-                          f"{rr.get('tail_s')} s, compute waited for buffer pinning "
-                          f"{rr.get('compute_waited_for_host_buffer_alloc_s')} s", flush=True)
+                          f"{rr.get('tail_s')} s, host buffers made in {rr.get('host_buffer_alloc_s')} s", flush=True)
             if device.type == "cuda":
                 r["peak_gpu_mem_gb"] = torch.cuda.max_memory_allocated(device) / 1e9
                 torch.cuda.reset_peak_memory_stats(device)

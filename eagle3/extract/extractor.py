@@ -13,8 +13,7 @@ Pipeline on a GPU (one compute stream, one copy stream, a pool of writer threads
   written chunks to the shard manifest in chunk order. A writer never waits for the chunks
   before its own: on a disk-bound run every writer thread keeps a write in flight.
 Host chunk buffers come from a small pool, so a slow disk holds the GPU back instead of
-filling memory; a background thread pins them (from the start, while the model loads) one
-ahead of need. On the CPU the same code runs with synchronous copies.
+filling memory. On the CPU the same code runs with synchronous copies.
 
 Resume: committed chunks (listed in manifest.json) are kept; extraction restarts at the next
 chunk of the plan, overwriting any uncommitted chunk file a killed run left.
@@ -23,7 +22,6 @@ chunk of the plan, overwriting any uncommitted chunk file a killed run left.
 from __future__ import annotations
 
 import logging
-import os
 import queue
 import threading
 import time
@@ -280,93 +278,41 @@ class _StateBuffers:
 
 
 class HostBufferPool:
-    """Host chunk buffers (pinned on a GPU run), made by a background thread up to `limit`, one ahead of need.
-    Pinning page-locks every page of a buffer (seconds for GB-sized ones: seven 1 GB buffers took 5.5 s on the
-    H200 machine, docs/benchmarks.md run 9 (d)); made on the compute thread it stalled the forward passes. The
-    maker starts with the run, so the first buffer is pinned while the model loads, and it makes another only
-    while no spare is free: a compute-bound run (few chunks in flight) never makes the rest.
+    """Host chunk buffers (pinned on a GPU run), made on demand up to `limit`. Pinning page-locks every page of a
+    GB-sized buffer (not measured alone here; seconds for all of them), so a run pays for a buffer only when
+    every made one is still in a writer's hands: a compute-bound run (few chunks in flight) never makes the
+    rest, and no pinning delays the first forward pass beyond the first buffer.
     `get` runs on the compute thread only; writers `put` buffers back."""
 
-    def __init__(self, limit: int, make, ahead: int = 1):
-        self.limit, self.make, self.ahead, self.made = limit, make, ahead, 0
+    def __init__(self, limit: int, make):
+        self.limit, self.make, self.made = limit, make, 0
         self.free: queue.Queue = queue.Queue()
-        self.waited_s = 0.0  # `get` blocked with every buffer made: the writers (the disk) held compute back
-        self.waited_for_make_s = 0.0  # `get` blocked while a buffer was still being made
-        self.made_s = 0.0  # time the maker spent making (pinning) buffers, off the compute thread
-        self._wake = threading.Condition()
-        self._closed = False
-        self._error: BaseException | None = None
-        self._maker = threading.Thread(target=self._make_loop, name="host-buffers", daemon=True)
-
-    def start(self) -> "HostBufferPool":
-        self._maker.start()
-        return self
-
-    def close(self) -> None:
-        with self._wake:
-            self._closed = True
-            self._wake.notify()
-
-    def _make_loop(self) -> None:
-        try:
-            while True:
-                with self._wake:
-                    while not self._closed and not (self.made < self.limit and self.free.qsize() < self.ahead):
-                        self._wake.wait()
-                    if self._closed:
-                        return
-                t = time.perf_counter()
-                buf = self.make()
-                self.made_s += time.perf_counter() - t
-                self.made += 1
-                self.free.put(buf)
-        except BaseException as e:  # e.g. the host cannot pin that much: `get` raises it on the compute thread
-            self._error = e
-            self.free.put(None)
+        self.waited_s = 0.0  # time `get` blocked for a writer to give a buffer back: the disk holding compute back
+        self.made_s = 0.0  # time spent making (pinning) buffers, on the compute thread
 
     def put(self, buf) -> None:
         self.free.put(buf)
 
     def get(self, timeout: float):
-        """A free buffer (waiting for a writer to give one back or the maker to make one), or None after
-        waiting `timeout` seconds."""
-        making = self.made < self.limit
+        """A free buffer, a new one while fewer than `limit` exist, or None after waiting `timeout` seconds."""
+        try:
+            return self.free.get_nowait()
+        except queue.Empty:
+            pass
+        if self.made < self.limit:
+            self.made += 1
+            t = time.perf_counter()
+            try:
+                return self.make()
+            finally:
+                self.made_s += time.perf_counter() - t
         t = time.perf_counter()
         try:
-            buf = self.free.get(timeout=timeout)
+            return self.free.get(timeout=timeout)
         except queue.Empty:
-            buf = None
+            return None
         finally:
-            waited = time.perf_counter() - t
-            if making:
-                self.waited_for_make_s += waited
-            else:
-                self.waited_s += waited
-        if buf is None and self._error is not None:
-            raise self._error
-        with self._wake:  # one fewer spare: the maker may make the next
-            self._wake.notify()
-        return buf
-
-
-PIN_REGISTER_THREADS = 8
-
-
-def pin_by_registering(threads: int = PIN_REGISTER_THREADS) -> bool:
-    """Have torch pin host memory as malloc + page faults in `threads` threads + cudaHostRegister instead of
-    cudaHostAlloc, which holds a driver lock for as long as it takes to pin the whole buffer (~0.9 s a GB on the
-    H200 machine), so pinning in a background thread still stalled the compute thread's CUDA calls
-    (docs/benchmarks.md run 10). Process-wide; left alone when PYTORCH_CUDA_ALLOC_CONF already sets a pinned_
-    option. Returns whether it set it."""
-    if "pinned_" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""):
-        return False
-    try:  # torch has no public call for it (2.11); an older or newer torch without it pins its default way
-        torch.cuda.memory._set_allocator_settings(
-            f"pinned_use_cuda_host_register:True,pinned_num_register_threads:{threads}")
-    except (AttributeError, RuntimeError) as e:
-        log.warning("could not switch torch's pinned memory to cudaHostRegister (%s): pinning with cudaHostAlloc", e)
-        return False
-    return True
+            self.waited_s += time.perf_counter() - t
 
 
 def _store(dst: torch.Tensor, scale: torch.Tensor | None, x: torch.Tensor) -> None:
@@ -478,8 +424,7 @@ class ShardExtractor:
         # the limit; writers busy for less than their share of the wall time means compute was
         if "pool" in p:
             breakdown["compute_waited_for_writers_s"] = round(p["pool"].waited_s, 3)
-            breakdown["host_buffer_alloc_s"] = round(p["pool"].made_s, 3)  # in the background
-            breakdown["compute_waited_for_host_buffer_alloc_s"] = round(p["pool"].waited_for_make_s, 3)
+            breakdown["host_buffer_alloc_s"] = round(p["pool"].made_s, 3)
             breakdown["writer_busy_fraction"] = round(
                 p["writer_busy_s"] / max(self.cfg.writer_threads * seconds, 1e-9), 3)
         return {
@@ -514,7 +459,7 @@ class ShardExtractor:
         if start:
             log.info("shard %d: resuming after %d committed chunks (%d tokens)", self.spec.shard, start, m.tokens)
         if start < len(chunks):
-            self._extract(data, chunks, start)
+            self._extract(data, chunks, start, t0)
         m.complete = True
         m.save(self.shard_dir)
         dt = time.perf_counter() - t0
@@ -539,39 +484,21 @@ class ShardExtractor:
             raise ExtractOOMError(oom_message(self.cfg.token_budget, need, free, device))
 
     @torch.inference_mode()
-    def _extract(self, data: ShardData, chunks: list, start: int) -> None:
-        n_cap, H = len(self.capture_layers), self.hidden
-        todo = chunks[start:]
-        max_batch = max(int(data.lengths[b].sum()) for c in todo for b in c)
-        max_chunk = max(int(data.lengths[np.concatenate(c)].sum()) for c in todo)
-        # host chunk buffers are pinned in the background from now on, while the model loads (and compiles)
-        dev = torch.device(self.cfg.device)
-        cuda = dev.type == "cuda"
-        index = (torch.cuda.current_device() if dev.index is None else dev.index) if cuda else None
-
-        def host_buffer():
-            if cuda:
-                torch.cuda.set_device(index)  # the maker thread's CUDA calls go to the run's device, not device 0
-            return _StateBuffers(max_chunk, n_cap, H, self.storage, "cpu", pin=cuda)
-
-        if cuda:
-            pin_by_registering()
-        pool = HostBufferPool(self.cfg.writer_threads + 1 if cuda else 2, host_buffer).start()
-        try:
-            self._extract_with(data, todo, start, pool, max_batch)
-        finally:
-            pool.close()
-
-    def _extract_with(self, data: ShardData, todo: list, start: int, pool: HostBufferPool, max_batch: int) -> None:
+    def _extract(self, data: ShardData, chunks: list, start: int, t0: float) -> None:
         backend = self._load_backend()
         dev = backend.device
         cuda = dev.type == "cuda"
         n_cap, H = len(self.capture_layers), self.hidden
         # the memory the budget asks for, against what the device has free, before any work
         self._check_memory(dev, self.cfg.token_budget)
+        todo = chunks[start:]
+        max_batch = max(int(data.lengths[b].sum()) for c in todo for b in c)
+        max_chunk = max(int(data.lengths[np.concatenate(c)].sum()) for c in todo)
         staging = [_StateBuffers(max_batch, n_cap, H, self.storage, dev) for _ in range(2)]
         for st in staging:
             st.event = torch.cuda.Event() if cuda else None
+        pool = HostBufferPool(self.cfg.writer_threads + 1 if cuda else 2,
+                              lambda: _StateBuffers(max_chunk, n_cap, H, self.storage, "cpu", pin=cuda))
         copy_stream = torch.cuda.Stream(dev) if cuda else None
         total_tokens = self.spec.tokens
         self._progress = {"tokens": self.manifest.tokens, "bytes": sum(c.bytes for c in self.manifest.chunks),
