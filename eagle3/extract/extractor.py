@@ -279,9 +279,11 @@ class _StateBuffers:
 
 class HostBufferPool:
     """Host chunk buffers (pinned on a GPU run), made on demand up to `limit`. Pinning page-locks every page of a
-    GB-sized buffer (not measured alone here; seconds for all of them), so a run pays for a buffer only when
-    every made one is still in a writer's hands: a compute-bound run (few chunks in flight) never makes the
-    rest, and no pinning delays the first forward pass beyond the first buffer.
+    GB-sized buffer (0.4-0.5 s a GB on the H200 machine, under a driver lock that stalls every thread's CUDA
+    calls), so a run pays for a buffer only when every made one is still in a writer's hands: a compute-bound
+    run (few chunks in flight) never makes the rest. Made on the compute thread, the GPU works through it on
+    the batches already queued: pinning in a background thread, or by cudaHostRegister, measured no faster
+    (docs/benchmarks.md run 10).
     `get` runs on the compute thread only; writers `put` buffers back."""
 
     def __init__(self, limit: int, make):
