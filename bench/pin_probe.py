@@ -90,8 +90,8 @@ def main(argv=None) -> int:
         expect = sum(quiet) / len(quiet) * n
         key = mode if mode not in res["modes"] else f"{mode} (again)"
         res["modes"][key] = {"pin_alone_s": alone, "pin_beside_gpu_s": took["s"], "steps": n,
-                              "steps_s": sum(steps), "steps_expected_s": expect, "max_step_s": max(steps),
-                              "wall_s": busy}
+                             "steps_s": sum(steps), "steps_expected_s": expect, "max_step_s": max(steps),
+                             "wall_s": busy}
         print(f"{mode}: pin {args.gb} GB alone {alone:.2f} s ({args.gb / alone:.2f} GB/s); beside the GPU work "
               f"{took['s']:.2f} s, the GPU thread's {n} steps took {sum(steps):.2f} s against {expect:.2f} s "
               f"without pinning, slowest step {1e3 * max(steps):.0f} ms", flush=True)
