@@ -245,6 +245,14 @@ BASELINES = {"writer-waits-for-commit": (WriterWaitsForItsCommit, contextlib.nul
              "no-early-writeback": (ShardExtractor, no_early_writeback)}
 
 
+def empty_pinned_host_cache(device=None) -> None:
+    """Free the pinned host blocks torch keeps for reuse, so the next pin pays as in a fresh process (without it a
+    run after the first pins nothing). torch 2.11 has no public call for it."""
+    gc.collect()
+    torch.cuda.synchronize(device)
+    torch._C._host_emptyCache()
+
+
 def run_extractor(model, model_path, samples, layers, device, dtype_name, work: Path, budget: int,
                   writers: int, chunk_mb: int, storage: str = "auto", compile: bool = False,
                   backend_name: str = "hf", attention: str = "auto", extractor=ShardExtractor,
@@ -261,11 +269,7 @@ def run_extractor(model, model_path, samples, layers, device, dtype_name, work: 
                         backend=backend_name, attention=attention, pad_multiple=pad_multiple)
     backend = BACKENDS[backend_name](model=model, compile=compile, attention=attention)
     if cold_host_buffers and device.type == "cuda":
-        # torch keeps freed pinned blocks for reuse: without this a run after the first pins nothing, unlike a
-        # task in a fresh process (torch 2.11 has no public call for it)
-        gc.collect()
-        torch.cuda.synchronize(device)
-        torch._C._host_emptyCache()
+        empty_pinned_host_cache(device)
     t = time.perf_counter()
     out = extractor(cfg, spec, backend=backend, model_config=mc).run()
     wall = time.perf_counter() - t
@@ -501,7 +505,7 @@ def main(argv=None) -> int:
                                              cold_host_buffers=args.cold_host_buffers, **kw)
 
                 extracts = {}
-                for pm in (int(x) if x.isdigit() else x for x in args.pad_multiples.split(",")):
+                for pm in args.pad_multiples.split(","):  # "auto" or digits: ExtractConfig parses them
                     extracts[f"extractor-pad{pm}"] = functools.partial(run, pad_multiple=pm)
                 for b in filter(None, args.baselines.split(",")):
                     extracts[b] = functools.partial(run, *BASELINES[b])

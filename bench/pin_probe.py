@@ -12,13 +12,16 @@ For each way torch can pin (`cudaHostAlloc`, its default; or `malloc` + page fau
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import sys
 import threading
 import time
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from extract_bench import empty_pinned_host_cache  # noqa: E402
 
 
 def set_mode(mode: str) -> None:
@@ -29,12 +32,6 @@ def set_mode(mode: str) -> None:
     # torch 2.11 has no public call for it; the older name warns that it is deprecated
     setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None) or torch.cuda.memory._set_allocator_settings
     setter(conf)
-
-
-def empty_cache() -> None:
-    gc.collect()
-    torch.cuda.synchronize()
-    torch._C._host_emptyCache()
 
 
 def pin(n_gb: int, out: list) -> float:
@@ -71,11 +68,11 @@ def main(argv=None) -> int:
     print(f"matmul steps alone: {sum(quiet):.3f} s, slowest {1e3 * max(quiet):.1f} ms", flush=True)
     for mode in args.modes.split(","):
         set_mode(mode)
-        empty_cache()
+        empty_pinned_host_cache()
         bufs: list = []
         alone = pin(args.gb, bufs)
         del bufs
-        empty_cache()
+        empty_pinned_host_cache()
         bufs = []
         took = {}
         th = threading.Thread(target=lambda: took.setdefault("s", pin(args.gb, bufs)))
@@ -96,7 +93,7 @@ def main(argv=None) -> int:
               f"{took['s']:.2f} s, the GPU thread's {n} steps took {sum(steps):.2f} s against {expect:.2f} s "
               f"without pinning, slowest step {1e3 * max(steps):.0f} ms", flush=True)
         del bufs
-        empty_cache()
+        empty_pinned_host_cache()
     if args.out:
         with open(args.out, "w") as f:
             json.dump(res, f, indent=2)
