@@ -7,13 +7,17 @@ written last. A reader therefore never sees a half file under a final name.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
+import shutil
 import uuid
-from pathlib import Path
-from typing import Any, Iterator
 from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+from eagle3.errors import PipelineError
 
 MANIFEST_NAME = "manifest.json"
 
@@ -35,11 +39,30 @@ def temp_path_for(path: Path) -> Path:
     return path.with_name(f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
 
 
+class DiskFullError(PipelineError):
+    """No space left (or quota exceeded) while writing a file; the message names the file and the free space."""
+
+
+def disk_full_error(path: str | os.PathLike, e: OSError) -> DiskFullError:
+    where = Path(path)
+    while not where.exists() and where != where.parent:
+        where = where.parent
+    free = shutil.disk_usage(where).free if where.exists() else 0
+    return DiskFullError(f"disk full writing {path}: {e.strerror} ({free / 1e9:.2f} GB free on the filesystem of "
+                         f"{where}); free space or point the run at another folder, then re-run: what is committed "
+                         f"is kept")
+
+
+def is_disk_full(e: BaseException) -> bool:
+    return isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT)
+
+
 @contextmanager
 def atomic_path(path: str | os.PathLike, fsync: bool = True) -> Iterator[Path]:
     """Yield a temp path to write; on success it is fsynced and renamed to `path`.
 
-    On an exception the temp file is removed and `path` is left as it was.
+    On an exception the temp file is removed and `path` is left as it was; a full disk raises DiskFullError
+    naming `path`.
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -52,6 +75,10 @@ def atomic_path(path: str | os.PathLike, fsync: bool = True) -> Iterator[Path]:
         os.replace(tmp, path)
         if fsync:
             _fsync_dir(path.parent)
+    except OSError as e:
+        if is_disk_full(e):
+            raise disk_full_error(path, e) from e
+        raise
     finally:
         if tmp.exists():
             tmp.unlink()
@@ -100,3 +127,43 @@ def remove_stale_temps(folder: str | os.PathLike) -> int:
             p.unlink(missing_ok=True)
             n += 1
     return n
+
+
+class PhaseOutput:
+    """A phase's output folder and the record that vouches for it: the one "fingerprint, skip if complete,
+    write to temp, commit" rule every phase follows.
+
+        out = PhaseOutput(folder, fingerprint(params))
+        if (done := out.completed()) is not None:
+            return done                      # complete with these params: skip
+        out.invalidate()                     # stale or other params: it must not vouch for what follows
+        ... write every file with atomic_path / atomic_write_json ...
+        out.commit({"rows": n, ...})         # written last: the record says complete + fingerprint
+
+    `verify(record)` may check the files against the record (checksums) before a skip is allowed.
+    """
+
+    def __init__(self, folder: str | os.PathLike, fingerprint: str, record: str = MANIFEST_NAME):
+        self.folder = Path(folder)
+        self.fingerprint = fingerprint
+        self.path = self.folder / record
+
+    def read(self) -> dict | None:
+        try:
+            return read_json(self.path) if self.path.is_file() else None
+        except ValueError:
+            return None  # a record that does not parse vouches for nothing
+
+    def completed(self, verify: Callable[[dict], bool] | None = None) -> dict | None:
+        rec = self.read()
+        if rec is None or not rec.get("complete") or rec.get("fingerprint") != self.fingerprint:
+            return None
+        return rec if verify is None or verify(rec) else None
+
+    def invalidate(self) -> None:
+        self.path.unlink(missing_ok=True)
+
+    def commit(self, record: dict) -> dict:
+        rec = {**record, "complete": True, "fingerprint": self.fingerprint}
+        atomic_write_json(self.path, rec)
+        return rec

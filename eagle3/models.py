@@ -58,6 +58,7 @@ class ModelInfo:
     intermediate_size: int
     num_attention_heads: int
     num_key_value_heads: int
+    head_dim: int  # the attention head width: config.json's head_dim where given (Qwen3: 128), else hidden / heads
     vocab_size: int
     max_position_embeddings: int
     rms_norm_eps: float
@@ -92,6 +93,7 @@ def model_info(model_path: str | os.PathLike) -> ModelInfo:
             intermediate_size=int(text.get("intermediate_size", 4 * int(text["hidden_size"]))),
             num_attention_heads=int(text["num_attention_heads"]),
             num_key_value_heads=int(text.get("num_key_value_heads", text["num_attention_heads"])),
+            head_dim=int(text.get("head_dim") or int(text["hidden_size"]) // int(text["num_attention_heads"])),
             vocab_size=int(text["vocab_size"]),
             max_position_embeddings=int(text.get("max_position_embeddings", 0)),
             rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)),
@@ -107,27 +109,35 @@ def default_capture_layers(num_layers: int) -> list[int]:
     return [2, num_layers // 2, num_layers - 3]
 
 
-def validate_capture_layers(layers: list[int], info: ModelInfo) -> list[int]:
-    """Capture layers are HF `hidden_states` indices: 0 = embeddings, i = output of decoder layer i-1.
+def resolve_capture_layers(layers: list[int] | None, info: ModelInfo) -> list[int]:
+    """The capture layers of a run, resolved and checked once: None = EAGLE-3's default for this model.
 
-    Index L (the last) is the final post-norm state, which is always stored separately, so the
-    valid range is 0..L-1. SGLang's `eagle_aux_hidden_state_layer_ids` are these indices minus one.
+    Capture layers are HF `hidden_states` indices: i = the output of decoder layer i-1, which serving engines
+    name layer id i-1 (SGLang's `eagle_aux_hidden_state_layer_ids`). They must be ascending: SGLang and vLLM
+    concatenate the aux states in layer order, so another order would feed the drafter's `fc` a permuted
+    input at serving time. Index 0 (the embeddings, layer id -1) has no engine equivalent, and index L (the
+    final post-norm state) is always stored separately, so the valid range is 1..L-1.
     """
+    if layers is None:
+        return default_capture_layers(info.num_layers)
     if not isinstance(layers, (list, tuple)) or not layers:
-        raise ConfigError(f"capture_layers must be a non-empty list of ints, got {layers!r}")
-    out = []
+        raise ConfigError(f"capture_layers must be a non-empty list of ints (or null for the default "
+                          f"{default_capture_layers(info.num_layers)}), got {layers!r}")
     for x in layers:
         if isinstance(x, bool) or not isinstance(x, int):
             raise ConfigError(f"capture_layers: {x!r} is not an int")
-        if not 0 <= x < info.num_layers:
+        if not 1 <= x < info.num_layers:
             raise ConfigError(
-                f"capture layer {x} does not exist in {info.path}: the model has {info.num_layers} decoder layers, "
-                f"so capture layers (hidden_states indices) must be in 0..{info.num_layers - 1}"
+                f"capture layer {x} is out of range for {info.path}: the model has {info.num_layers} decoder layers, "
+                f"so capture layers (hidden_states indices; 0 = the embeddings, which serving engines cannot "
+                f"capture) must be in 1..{info.num_layers - 1}"
             )
-        out.append(x)
-    if len(set(out)) != len(out):
-        raise ConfigError(f"capture_layers has duplicates: {layers}")
-    return out
+    if len(set(layers)) != len(layers):
+        raise ConfigError(f"capture_layers has duplicates: {list(layers)}")
+    if list(layers) != sorted(layers):
+        raise ConfigError(f"capture_layers must be ascending, got {list(layers)} (use {sorted(layers)}): serving "
+                          f"engines concatenate the aux states in layer order, so another order breaks the drafter")
+    return list(layers)
 
 
 def load_tokenizer(model_path: str | os.PathLike):

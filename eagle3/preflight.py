@@ -18,7 +18,7 @@ from pathlib import Path
 
 from eagle3.errors import ConfigError, PipelineError
 from eagle3.io import atomic_write_json
-from eagle3.models import default_capture_layers, model_info, validate_capture_layers
+from eagle3.models import model_info, resolve_capture_layers
 
 log = logging.getLogger(__name__)
 
@@ -146,9 +146,8 @@ def check_model(cfg: PreflightConfig, failures: list[str]) -> dict:
     if not has_template:
         failures.append(f"model_path {path}: the tokenizer has no chat template (chat_template.jinja or tokenizer_config.json)")
     out["chat_template"] = has_template
-    layers = cfg.capture_layers if cfg.capture_layers is not None else default_capture_layers(info.num_layers)
     try:
-        out["capture_layers"] = validate_capture_layers(layers, info)
+        out["capture_layers"] = resolve_capture_layers(cfg.capture_layers, info)
         out["sglang_aux_layer_ids"] = [i - 1 for i in out["capture_layers"]]
     except ConfigError as e:
         failures.append(str(e))

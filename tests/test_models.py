@@ -9,7 +9,7 @@ import torch
 from eagle3.errors import ConfigError
 from eagle3.models import (
     COMPLETE_MARKER, SANITY_PROMPT, default_capture_layers, ensure_smollm2, find_smollm2_gguf, greedy_reply,
-    load_model, model_info, validate_capture_layers,
+    load_model, model_info, resolve_capture_layers,
 )
 
 
@@ -38,13 +38,26 @@ def test_greedy_reply_from_converted_model(smollm2_model, smollm2_tokenizer):
 
 def test_capture_layer_validation_names_layer_and_depth(smollm2_path):
     info = model_info(smollm2_path)
-    assert validate_capture_layers([2, 15, 27], info) == [2, 15, 27]
-    with pytest.raises(ConfigError, match=r"capture layer 58 does not exist.*30 decoder layers.*0\.\.29"):
-        validate_capture_layers([2, 15, 58], info)
+    assert resolve_capture_layers([2, 15, 27], info) == [2, 15, 27]
+    assert resolve_capture_layers(None, info) == [2, 15, 27]
+    with pytest.raises(ConfigError, match=r"capture layer 58 is out of range.*30 decoder layers.*1\.\.29"):
+        resolve_capture_layers([2, 15, 58], info)
     with pytest.raises(ConfigError, match="duplicates"):
-        validate_capture_layers([2, 2, 5], info)
+        resolve_capture_layers([2, 2, 5], info)
     with pytest.raises(ConfigError, match="not an int"):
-        validate_capture_layers([2, "x", 5], info)
+        resolve_capture_layers([2, "x", 5], info)
+
+
+def test_capture_layers_unsorted_empty_or_embeddings_are_refused(smollm2_path):
+    """[15, 2, 27] would export ids [14, 1, 26] while engines feed the aux states in layer order (a permuted fc
+    input); [] used to become the default silently; 0 (the embeddings) exported layer id -1."""
+    info = model_info(smollm2_path)
+    with pytest.raises(ConfigError, match=r"ascending, got \[15, 2, 27\] \(use \[2, 15, 27\]\)"):
+        resolve_capture_layers([15, 2, 27], info)
+    with pytest.raises(ConfigError, match="non-empty list"):
+        resolve_capture_layers([], info)
+    with pytest.raises(ConfigError, match="embeddings"):
+        resolve_capture_layers([0, 15, 27], info)
 
 
 def test_model_info_errors_name_the_path(tmp_path):

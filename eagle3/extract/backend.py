@@ -17,7 +17,7 @@ from typing import Protocol
 import torch
 
 from eagle3.errors import ConfigError
-from eagle3.models import ModelInfo, model_info, validate_capture_layers
+from eagle3.models import ModelInfo, model_info, resolve_capture_layers
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 GPU_DTYPES = ("bfloat16", "float16")
@@ -99,7 +99,7 @@ def load_decoder(backend, model_path: str, dtype: str, device: str, capture_laye
         from transformers import AutoModelForCausalLM
 
         backend.info = model_info(model_path)
-        validate_capture_layers(capture_layers, backend.info)  # before spending time on the weights
+        resolve_capture_layers(capture_layers, backend.info)  # before spending time on the weights
         backend.model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=torch_dtype).to(device)
     else:
         backend.model = backend.model.to(device=device, dtype=torch_dtype)
@@ -109,7 +109,7 @@ def load_decoder(backend, model_path: str, dtype: str, device: str, capture_laye
     backend.num_layers = len(backend.base.layers)
     backend.hidden_size = int(model.config.get_text_config().hidden_size)
     if backend.info is not None:
-        validate_capture_layers(capture_layers, backend.info)
+        resolve_capture_layers(capture_layers, backend.info)
     else:
         for i in capture_layers:
             if not 0 <= i < backend.num_layers:

@@ -1,0 +1,52 @@
+"""The one shape every eagle3 operator has, as Airflow providers write them.
+
+An operator templates one thing, its phase config (a dict the DAG builds with eagle3.config), builds the
+core's config dataclass from it (an unknown key is a ConfigError naming it), calls the core and returns a
+small JSON-able summary. A ConfigError is the user's input, which no retry changes: it becomes
+AirflowFailException, so the task fails at once instead of retrying. Faults (a killed worker, a flaky
+endpoint) stay ordinary exceptions and keep their retries.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar, Generic, Mapping, Sequence, TypeVar
+
+from airflow.exceptions import AirflowFailException
+from airflow.sdk import BaseOperator
+
+from eagle3.errors import ConfigError
+from eagle3.knobs import build
+from operators._render import rendered
+
+C = TypeVar("C")
+
+
+class Eagle3Operator(BaseOperator, Generic[C]):
+    """Subclasses set `config_class` and implement `run(cfg, context)`."""
+
+    config_class: ClassVar[type]
+    template_fields: Sequence[str] = ("config",)
+
+    def __init__(self, *, config: Mapping[str, Any] | str, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.config = config
+
+    def build_config(self, **extra: Any) -> C:
+        """The phase config from the rendered template (plus mapped values in `extra`)."""
+        values = rendered(self.config)
+        if not isinstance(values, dict):
+            raise ConfigError(f"task {self.task_id}: its config rendered to {type(values).__name__}, not an object")
+        return build(self.config_class, {**values, **extra}, where=self.task_id)
+
+    def execute(self, context: Any) -> Any:
+        try:
+            return self.run(self.build_config(**self.mapped_values()), context)
+        except ConfigError as e:
+            raise AirflowFailException(f"{self.task_id}: {e} (a config error: not retried)") from e
+
+    def mapped_values(self) -> dict[str, Any]:
+        """Config fields that come from the task's own arguments (a mapped shard, a dataset); none by default."""
+        return {}
+
+    def run(self, cfg: C, context: Any) -> Any:
+        raise NotImplementedError
