@@ -1,4 +1,8 @@
-"""Read extracted hidden states back, sample by sample, across shards (the training phase's input)."""
+"""Read extracted hidden states back across shards: the one way the training phase reads them.
+
+By sample (`iter(reader)`), or by chunk: `chunks()` lists the committed chunks in shard, chunk order,
+`load(chunk)` reads one and `sample_lengths(chunk)` reads only its sample offsets (no hidden states).
+"""
 
 from __future__ import annotations
 
@@ -6,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
-from eagle3.extract.format import CorruptChunkError, ShardManifest, load_chunk
+from eagle3.extract.format import ChunkRecord, CorruptChunkError, ShardManifest, load_chunk
 
 
 @dataclass
@@ -16,6 +20,14 @@ class Sample:
     loss_mask: "torch.Tensor"  # uint8 [T]
     aux_hidden: "torch.Tensor"  # [T, n_capture * hidden]
     final_hidden: "torch.Tensor"  # [T, hidden]
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One committed chunk: its shard folder and its manifest record (tokens, samples, file)."""
+
+    shard_dir: Path
+    record: ChunkRecord
 
 
 class HiddenStateReader:
@@ -58,10 +70,32 @@ class HiddenStateReader:
     def num_tokens(self) -> int:
         return sum(m.tokens for m in self.manifests)
 
+    def chunks(self) -> list[Chunk]:
+        """The committed chunks that hold samples, in shard then chunk order."""
+        return [Chunk(d, rec) for d, m in zip(self.shard_dirs, self.manifests) for rec in m.chunks if rec.samples]
+
+    def load(self, chunk: Chunk) -> dict:
+        """All tensors of one chunk (eagle3.extract.format lists them), checked against its record."""
+        return load_chunk(chunk.shard_dir, chunk.record, verify=self.verify)
+
+    def sample_lengths(self, chunk: Chunk) -> list[int]:
+        """Token count of each sample of a chunk, read from its offsets alone (the hidden states stay on disk)."""
+        from safetensors import SafetensorError, safe_open
+
+        path = chunk.shard_dir / chunk.record.file
+        try:
+            with safe_open(str(path), "pt") as f:
+                offsets = f.get_tensor("sample_offsets").tolist()
+        except (SafetensorError, OSError) as e:
+            raise CorruptChunkError(f"{path}: unreadable safetensors chunk: {e}") from e
+        if len(offsets) != chunk.record.samples + 1 or offsets[-1] != chunk.record.tokens:
+            raise CorruptChunkError(f"{path}: sample_offsets do not match the manifest's {chunk.record.samples} "
+                                    f"samples / {chunk.record.tokens} tokens")
+        return [b - a for a, b in zip(offsets, offsets[1:])]
+
     def iter_chunks(self) -> Iterator[dict]:
-        for d, m in zip(self.shard_dirs, self.manifests):
-            for rec in m.chunks:
-                yield load_chunk(d, rec, verify=self.verify)
+        for chunk in self.chunks():
+            yield self.load(chunk)
 
     def __iter__(self) -> Iterator[Sample]:
         for t in self.iter_chunks():

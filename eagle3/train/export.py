@@ -1,11 +1,13 @@
-"""Export the trained drafter as a folder SGLang serves with `--speculative-algorithm EAGLE3
---speculative-draft-model-path <dir>`, and load such a folder back (evaluation uses the export).
+"""Export the trained drafter as a folder SGLang and vLLM serve (docs/train.md gives the flags), and load
+such a folder back (evaluation uses the export). What each engine reads is in eagle3.train.serving.
 
 Tensor names are those SGLang's LlamaForCausalLMEagle3.load_weights reads
 (sglang python/sglang/srt/models/llama_eagle3.py): it maps `fc.*`, `midlayer.*`, `norm.*` under
 its `model.` prefix, fuses q/k/v_proj into qkv_proj and gate/up_proj into gate_up_proj, turns `d2t`
 into its hot-token ids (draft id + d2t) and skips `t2d`. No embed_tokens: SGLang shares the target's.
 It silently ignores names it does not know, so a misspelt tensor would load "fine" and accept nothing.
+vLLM's Eagle3LlamaForCausalLM (vllm/model_executor/models/llama_eagle3.py) reads the same names
+(`midlayer.` -> `layers.0.`, `d2t` -> `draft_id_to_target_id`, `t2d` skipped).
 """
 
 from __future__ import annotations
@@ -19,15 +21,15 @@ import torch
 from eagle3.errors import PipelineError
 from eagle3.io import atomic_write_json, read_json, temp_path_for
 from eagle3.train.model import DrafterConfig, Eagle3Drafter
+from eagle3.train.serving import sglang_layer_ids, vllm_layer_ids
 from eagle3.train.vocab import DraftVocab
 
 WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
 
 
-def sglang_config(cfg: DrafterConfig, info, capture_layers: list[int], torch_dtype: str = "bfloat16") -> dict:
-    """config.json. eagle_aux_hidden_state_layer_ids are layer ids (HF hidden_states index - 1): SGLang
-    captures at the input of layer id+1, which is HF hidden_states[id+1] = our capture index."""
+def engine_config(cfg: DrafterConfig, info, capture_layers: list[int], torch_dtype: str = "bfloat16") -> dict:
+    """config.json for both engines: the aux layer ids in each one's convention (eagle3.train.serving)."""
     return {
         "architectures": ["LlamaForCausalLMEagle3"],
         "model_type": "llama",
@@ -50,13 +52,14 @@ def sglang_config(cfg: DrafterConfig, info, capture_layers: list[int], torch_dty
         "torch_dtype": torch_dtype,
         "bos_token_id": getattr(info, "bos_token_id", None),
         "eos_token_id": getattr(info, "eos_token_id", None),
+        "eagle_aux_hidden_state_layer_ids": vllm_layer_ids(capture_layers),
         "eagle_config": {
-            "eagle_aux_hidden_state_layer_ids": [int(i) - 1 for i in capture_layers],
+            "eagle_aux_hidden_state_layer_ids": sglang_layer_ids(capture_layers),
             "use_aux_hidden_state": True,
             "use_input_layernorm_in_first_layer": True,
             "use_last_layernorm": True,
         },
-        # ours, ignored by SGLang: lets load_exported rebuild the drafter exactly
+        # ours, ignored by the engines: lets load_exported rebuild the drafter exactly
         "eagle3_pipeline": {"drafter_config": cfg.to_dict(), "capture_layers": list(capture_layers),
                             "target_model": getattr(info, "path", None)},
     }
@@ -64,8 +67,9 @@ def sglang_config(cfg: DrafterConfig, info, capture_layers: list[int], torch_dty
 
 def export_tensors(drafter: Eagle3Drafter, vocab: DraftVocab, dtype=torch.bfloat16) -> dict:
     tensors = {name: p.detach().to(dtype).contiguous() for name, p in drafter.state_dict().items()}
-    tensors["d2t"] = vocab.d2t.contiguous()
-    tensors["t2d"] = vocab.t2d.contiguous()
+    if not vocab.is_full:  # a full draft vocabulary carries no map: vLLM refuses one (eagle3.train.serving)
+        tensors["d2t"] = vocab.d2t.contiguous()
+        tensors["t2d"] = vocab.t2d.contiguous()
     return tensors
 
 
@@ -79,7 +83,7 @@ def export_drafter(drafter: Eagle3Drafter, vocab: DraftVocab, info, capture_laye
     tmp.mkdir(parents=True)
     try:
         save_file(export_tensors(drafter, vocab, dtype), str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
-        cfg = sglang_config(drafter.cfg, info, capture_layers, str(dtype).replace("torch.", ""))
+        cfg = engine_config(drafter.cfg, info, capture_layers, str(dtype).replace("torch.", ""))
         atomic_write_json(tmp / CONFIG_FILE, cfg)
         if out_dir.exists():
             shutil.rmtree(out_dir)
@@ -99,7 +103,13 @@ def load_exported(export_dir: str | Path, dtype: torch.dtype = torch.float32) ->
     config = read_json(cfg_path)
     dcfg = DrafterConfig(**config["eagle3_pipeline"]["drafter_config"])
     tensors = load_file(str(export_dir / WEIGHTS_FILE))
-    vocab = DraftVocab.from_d2t(tensors.pop("d2t"), tensors.pop("t2d"))
+    if "d2t" in tensors:
+        vocab = DraftVocab.from_d2t(tensors.pop("d2t"), tensors.pop("t2d"))
+    elif dcfg.draft_vocab_size == dcfg.target_vocab_size:
+        vocab = DraftVocab.full(dcfg.target_vocab_size)
+    else:
+        raise PipelineError(f"{export_dir / WEIGHTS_FILE}: no d2t, but the draft vocabulary ({dcfg.draft_vocab_size}) "
+                            f"is smaller than the target's ({dcfg.target_vocab_size})")
     drafter = Eagle3Drafter(dcfg)
     missing, unexpected = drafter.load_state_dict({k: v.to(dtype) for k, v in tensors.items()}, strict=False)
     if missing or unexpected:

@@ -43,13 +43,15 @@ class DrafterConfig:
 
     @classmethod
     def from_target(cls, info, draft_vocab_size: int, num_aux_layers: int = 3) -> "DrafterConfig":
-        """The drafter takes the target's shapes (eagle3.models.ModelInfo)."""
+        """The drafter takes the target's shapes (eagle3.models.ModelInfo), head_dim included: it need not be
+        hidden / heads (Qwen3: 128; a GLM-4.5 shape, 5120 / 96, is not even an integer), and serving engines
+        build the draft attention from the exported head_dim."""
         return cls(
             hidden_size=info.hidden_size,
             intermediate_size=info.intermediate_size,
             num_attention_heads=info.num_attention_heads,
             num_key_value_heads=info.num_key_value_heads,
-            head_dim=info.hidden_size // info.num_attention_heads,
+            head_dim=info.head_dim,
             draft_vocab_size=draft_vocab_size,
             target_vocab_size=info.vocab_size,
             rms_norm_eps=info.rms_norm_eps,

@@ -1,25 +1,29 @@
 """The training and evaluation phases as the DAG runs them: idempotent, with artifacts and report.json.
 
 train_phase:    shards -> <train_dir>/{draft_vocab.safetensors, checkpoints/, metrics.jsonl, export/,
-                training.png, report.json}. A finished run (report.json with the same fingerprint and the
-                export present) is skipped; a killed one resumes from its last checkpoint.
+                training.png, report.json}. A finished run (report.json complete with the same fingerprint
+                and the export present) is skipped; a killed one resumes from its last checkpoint.
 evaluate_phase: export + target + held-out prompts -> <eval_dir>/{report.json, acceptance.png}.
+report.json is each phase's record (eagle3.io.PhaseOutput): written last, it says the phase is complete.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
 
 from eagle3.errors import ConfigError, PipelineError
-from eagle3.io import atomic_path, atomic_write_json, fingerprint, read_json, sha256_file
-from eagle3.train.export import export_drafter, load_exported
-from eagle3.train.trainer import TrainConfig, pick_device, read_metrics, train
+from eagle3.io import PhaseOutput, atomic_path, atomic_write_json, fingerprint, sha256_file
+from eagle3.train.config import EvalConfig, TrainConfig
+from eagle3.train.export import WEIGHTS_FILE, export_drafter, load_exported
+from eagle3.train.serving import serving_problems
+from eagle3.train.trainer import pick_device, read_metrics, train
+
+REPORT = "report.json"
 
 log = logging.getLogger(__name__)
 
@@ -68,52 +72,28 @@ def plot_acceptance(reports: dict, path: Path) -> None:
 
 def train_phase(cfg: TrainConfig) -> dict:
     out = Path(cfg.output_dir)
-    report_path, export_dir = out / "report.json", out / "export"
-    fp = cfg.validate().fingerprint()
-    if report_path.is_file() and (export_dir / "model.safetensors").is_file():
-        report = read_json(report_path)
-        if report.get("fingerprint") == fp:
-            log.info("training already complete in %s: skipping", out)
-            return report
+    export_dir = out / "export"
+    record = PhaseOutput(out, cfg.fingerprint(), REPORT)
+    if (done := record.completed(lambda r: (export_dir / WEIGHTS_FILE).is_file())) is not None:
+        log.info("training already complete in %s: skipping", out)
+        return done
+    record.invalidate()
     res = train(cfg)
-    if cfg.stop_after_steps and res["steps"] < res["total_steps"]:
-        return {"stopped_at": res["steps"]}
+    problems = serving_problems(res["capture_layers"], res["info"].model_type)
+    for p in problems:
+        log.warning("%s", p)
     export_drafter(res["drafter"], res["vocab"], res["info"], res["capture_layers"], export_dir)
     metrics = read_metrics(out / "metrics.jsonl")
     plot_training(metrics, out / "training.png")
     first, last = metrics[0], metrics[-1]
-    report = {
-        "fingerprint": fp, "params": asdict(cfg), "export_dir": str(export_dir), "steps": res["steps"],
-        "train_tokens": res["tokens"], "train_samples": res["samples"], "draft_vocab_size": res["vocab"].size,
-        "capture_layers": res["capture_layers"], "first": {"loss": first["loss"], "acc_k": first["acc_k"]},
+    return record.commit({
+        "params": asdict(cfg), "export_dir": str(export_dir), "steps": res["steps"],
+        "train_tokens": res["tokens"], "train_samples": res["samples"], "truncation": res["truncation"],
+        "draft_vocab_size": res["vocab"].size, "capture_layers": res["capture_layers"],
+        "serving_problems": problems, "first": {"loss": first["loss"], "acc_k": first["acc_k"]},
         "last": {"loss": last["loss"], "acc_k": last["acc_k"]}, "metrics": str(out / "metrics.jsonl"),
         "plot": str(out / "training.png"), "seconds_this_run": round(res["seconds"], 1),
-    }
-    atomic_write_json(report_path, report)
-    return report
-
-
-@dataclass
-class EvalConfig:
-    export_dir: str
-    model_path: str
-    output_dir: str
-    prompts: list[str] = field(default_factory=list)  # held-out user prompts, or:
-    prompts_file: str = ""  # JSONL, one {"prompt": str} or {"messages": [...]} per line
-    k: int = 5
-    max_new_tokens: int = 64
-    max_prompts: int = 0  # 0 = all
-    random_floor: bool = True  # also evaluate a randomly initialised drafter of the same shape
-    floor_max_prompts: int = 0  # the floor on the first N prompts only (0 = all): it accepts ~nothing, so it is slow
-    seed: int = 0
-    device: str = "auto"  # auto = cuda if available; the target runs in fp32 there too (exact greedy reference)
-
-    def validate(self) -> "EvalConfig":
-        if isinstance(self.k, bool) or not isinstance(self.k, int) or not 1 <= self.k <= 32:
-            raise ConfigError(f"eval param k must be an int in 1..32, got {self.k!r}")
-        if not self.prompts and not self.prompts_file:
-            raise ConfigError("eval needs held-out prompts: give `prompts` or `prompts_file`")
-        return self
+    })
 
 
 def load_prompts(cfg: EvalConfig, tokenizer) -> list[list[int]]:
@@ -140,15 +120,15 @@ def evaluate_phase(cfg: EvalConfig) -> dict:
     from eagle3.train.model import Eagle3Drafter
     from eagle3.train.speculative import evaluate
 
-    cfg.validate()
     out = Path(cfg.output_dir)
-    report_path = out / "report.json"
     export_cfg = Path(cfg.export_dir) / "config.json"
     if not export_cfg.is_file():
         raise PipelineError(f"eval param export_dir: {cfg.export_dir} holds no drafter export (no config.json)")
-    fp = fingerprint({**asdict(cfg), "export_sha256": sha256_file(Path(cfg.export_dir) / "model.safetensors")})
-    if report_path.is_file() and read_json(report_path).get("fingerprint") == fp:
-        return read_json(report_path)
+    record = PhaseOutput(out, fingerprint({**asdict(cfg), "export_sha256": sha256_file(Path(cfg.export_dir) /
+                                                                                         WEIGHTS_FILE)}), REPORT)
+    if (done := record.completed()) is not None:
+        return done
+    record.invalidate()
     device = pick_device(cfg.device)
     drafter, vocab, config = load_exported(cfg.export_dir)
     drafter.to(device)
@@ -166,7 +146,7 @@ def evaluate_phase(cfg: EvalConfig) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     plot_acceptance(reports, out / "acceptance.png")
     trained = reports["trained"]
-    report = {"fingerprint": fp, "params": asdict(cfg), "device": str(device), "tau": trained["tau"],
+    report = {"params": asdict(cfg), "device": str(device), "tau": trained["tau"],
               "tau_random_init": reports.get("random_init", {}).get("tau"),
               "identical_to_greedy": trained["identical_to_greedy"], "results": reports,
               "plot": str(out / "acceptance.png")}
@@ -175,5 +155,4 @@ def evaluate_phase(cfg: EvalConfig) -> dict:
         raise PipelineError(f"speculative output differs from greedy decoding (not lossless) on "
                             f"{len(trained['mismatches'])} of {trained['prompts']} prompts: "
                             f"{trained['mismatches'][:5]}; report: {out / 'report.failed.json'}")
-    atomic_write_json(report_path, report)
-    return report
+    return record.commit(report)

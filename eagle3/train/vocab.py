@@ -17,13 +17,12 @@ from pathlib import Path
 
 import torch
 
-from eagle3.errors import ConfigError, PipelineError
+from eagle3.errors import PipelineError
 from eagle3.io import atomic_path
 
 log = logging.getLogger(__name__)
 
 VOCAB_FILE = "draft_vocab.safetensors"
-DEFAULT_DRAFT_VOCAB = 32000
 
 
 @dataclass
@@ -34,6 +33,15 @@ class DraftVocab:
     @property
     def size(self) -> int:
         return int(self.draft_ids.numel())
+
+    @property
+    def is_full(self) -> bool:
+        """Every target token is a draft token: serving engines then expect no d2t/t2d (see export.py)."""
+        return self.size == self.target_vocab
+
+    @classmethod
+    def full(cls, target_vocab: int) -> "DraftVocab":
+        return cls(torch.arange(target_vocab, dtype=torch.int64), target_vocab)
 
     @property
     def d2t(self) -> torch.Tensor:
@@ -81,14 +89,12 @@ def count_tokens(token_batches, target_vocab: int) -> torch.Tensor:
     return counts
 
 
-def build_draft_vocab(counts: torch.Tensor, size: int = DEFAULT_DRAFT_VOCAB) -> DraftVocab:
+def build_draft_vocab(counts: torch.Tensor, size: int) -> DraftVocab:
     """The `size` most frequent tokens (ties by lower id), capped at the number of distinct tokens seen.
 
     A draft vocabulary larger than the distinct tokens seen would hold slots that never occur in
     training; the anchors crash on it, so we shrink instead and say so.
     """
-    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-        raise ConfigError(f"draft_vocab_size must be a positive int, got {size!r}")
     distinct = int((counts > 0).sum())
     if distinct == 0:
         raise PipelineError("cannot build a draft vocabulary: the training data holds no tokens")

@@ -1,0 +1,118 @@
+"""Training batches from the extracted states: a seeded chunk order per epoch, padding, and the length cap.
+
+Micro-batches never span chunks, so the position of a batch is computable from the manifests alone
+(a resumed run skips batches without reading the chunks they came from).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+
+import torch
+
+from eagle3.extract.reader import HiddenStateReader
+
+log = logging.getLogger(__name__)
+
+
+class BatchOrder:
+    def __init__(self, reader: HiddenStateReader, batch_size: int, seed: int):
+        self.reader, self.batch_size, self.seed = reader, batch_size, seed
+        self.chunks = reader.chunks()
+        self.batches_per_epoch = sum(math.ceil(c.record.samples / batch_size) for c in self.chunks)
+
+    def epoch(self, epoch: int, skip: int = 0):
+        """Yield (batch_index, [samples as dicts]) for one epoch, starting after `skip` batches."""
+        g = torch.Generator().manual_seed(self.seed * 100003 + epoch)
+        order = torch.randperm(len(self.chunks), generator=g).tolist()
+        index = 0
+        for ci in order:
+            chunk = self.chunks[ci]
+            n = math.ceil(chunk.record.samples / self.batch_size)
+            perm = torch.randperm(chunk.record.samples, generator=g).tolist()  # drawn even when skipped: same stream
+            if index + n <= skip:
+                index += n
+                continue
+            t = self.reader.load(chunk)
+            off = t["sample_offsets"].tolist()
+            for b in range(n):
+                if index >= skip:
+                    rows = perm[b * self.batch_size:(b + 1) * self.batch_size]
+                    yield index, [{k: t[k][off[i]:off[i + 1]] for k in ("input_ids", "loss_mask", "aux_hidden",
+                                                                        "final_hidden")} for i in rows]
+                index += 1
+
+
+@dataclass
+class Truncation:
+    """Samples longer than max_seq_len: their tokens past the cap are extracted but never trained on."""
+
+    max_seq_len: int
+    samples: int = 0
+    tokens: int = 0  # tokens cut, summed over the cut samples
+    longest: int = 0
+
+    def to_dict(self) -> dict:
+        return {"max_seq_len": self.max_seq_len, "truncated_samples": self.samples,
+                "truncated_tokens": self.tokens, "longest_sample": self.longest}
+
+
+def count_truncation(reader: HiddenStateReader, max_seq_len: int) -> Truncation:
+    """Count the samples the cap cuts (from the chunks' offsets only) and warn once, naming the remedy."""
+    cut = Truncation(max_seq_len)
+    for chunk in reader.chunks():
+        for n in reader.sample_lengths(chunk):
+            cut.longest = max(cut.longest, n)
+            if n > max_seq_len:
+                cut.samples += 1
+                cut.tokens += n - max_seq_len
+    if cut.samples:
+        log.warning("train param max_seq_len %d cuts %d of %d samples (%d tokens, longest sample %d): those tokens "
+                    "were extracted but are not trained on; set max_seq_len to merge's cap to train on them",
+                    max_seq_len, cut.samples, reader.num_samples, cut.tokens, cut.longest)
+    return cut
+
+
+def bucket_length(n: int, max_len: int, pad_multiple: int) -> int:
+    """Padded batch length for a longest sample of n tokens. With pad_multiple > 1 (GPU, compiled): the
+    smallest pad_multiple * 2^j >= n, so a run meets at most log2(max_len / pad_multiple) + 2 lengths,
+    and a compiled loss is built once per length rather than once per distinct padded size."""
+    n = min(n, max_len)
+    if pad_multiple <= 1:
+        return n
+    T = pad_multiple
+    while T < n:
+        T *= 2
+    return min(T, max_len)
+
+
+def collate(samples: list[dict], max_len: int, pad_multiple: int = 1, rows: int = 0) -> dict:
+    """Right-pad samples (truncated to max_len) into a batch of `rows` rows (0 = as many as samples) and
+    bucket_length(...) columns. Padding has loss_mask 0 and sits after every real token (or fills whole
+    rows), so causal attention never lets a real token read it and the loss never counts it."""
+    T = bucket_length(max(len(s["input_ids"]) for s in samples), max_len, pad_multiple)
+    B = max(rows, len(samples))
+    H3, H = samples[0]["aux_hidden"].shape[-1], samples[0]["final_hidden"].shape[-1]
+    # states keep their stored dtype (bf16 from GPU extraction): half the host copy; the caller upcasts on device
+    out = {
+        "input_ids": torch.zeros(B, T, dtype=torch.long),
+        "loss_mask": torch.zeros(B, T, dtype=torch.bool),
+        "aux": torch.zeros(B, T, H3, dtype=samples[0]["aux_hidden"].dtype),
+        "final": torch.zeros(B, T, H, dtype=samples[0]["final_hidden"].dtype),
+    }
+    for i, s in enumerate(samples):
+        n = min(T, len(s["input_ids"]))
+        out["input_ids"][i, :n] = s["input_ids"][:n]
+        out["loss_mask"][i, :n] = s["loss_mask"][:n].bool()
+        out["aux"][i, :n] = s["aux_hidden"][:n]
+        out["final"][i, :n] = s["final_hidden"][:n]
+    return out
+
+
+def to_device(batch: dict, device: torch.device) -> dict:
+    """Move a collated batch to the device; hidden states become fp32 there (autocast picks the matmul dtype)."""
+    out = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+    out["aux"], out["final"] = out["aux"].float(), out["final"].float()
+    return out

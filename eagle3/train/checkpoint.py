@@ -1,0 +1,96 @@
+"""Training checkpoints: model, optimizer, scheduler, RNG states and data position, written atomically.
+
+A restarted run restores the latest one and drops the metrics lines written after it (a killed run
+logged steps it never checkpointed), then continues on the same batch sequence, so its loss curve is
+the uninterrupted one. A checkpoint written with other training params is refused, not resumed.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from eagle3.errors import PipelineError
+from eagle3.io import atomic_path
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Position:
+    """Where a run is: optimizer steps done, and the next micro-batch (epoch, batch index in that epoch)."""
+
+    step: int = 0
+    epoch: int = 0
+    batch_pos: int = 0
+
+
+def rng_state() -> dict:
+    s = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        s["cuda"] = torch.cuda.get_rng_state_all()
+    return s
+
+
+def set_rng_state(s: dict) -> None:
+    torch.set_rng_state(s["torch"])
+    random.setstate(s["python"])
+    if "cuda" in s and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(s["cuda"])
+
+
+def truncate_metrics(path: Path, step: int) -> None:
+    """Drop metric lines after `step` (written by a killed run after its last checkpoint)."""
+    if not path.is_file():
+        return
+    keep = [ln for ln in path.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] <= step]
+    with atomic_path(path) as tmp:
+        tmp.write_text("".join(ln + "\n" for ln in keep))
+
+
+class Checkpoints:
+    """`folder/step-NNNNNNNN.pt`, the last `keep` of them, each stamped with the params' fingerprint."""
+
+    def __init__(self, folder: str | Path, fingerprint: str, keep: int):
+        self.folder, self.fingerprint, self.keep = Path(folder), fingerprint, keep
+
+    def latest(self) -> Path | None:
+        found = sorted(self.folder.glob("step-*.pt")) if self.folder.is_dir() else []
+        return found[-1] if found else None
+
+    def save(self, pos: Position, model, optimizer, scheduler) -> Path:
+        self.folder.mkdir(parents=True, exist_ok=True)
+        path = self.folder / f"step-{pos.step:08d}.pt"
+        payload = {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                   "scheduler": scheduler.state_dict(), "rng": rng_state(), "step": pos.step, "epoch": pos.epoch,
+                   "batch_pos": pos.batch_pos, "fingerprint": self.fingerprint}
+        with atomic_path(path) as tmp:
+            torch.save(payload, tmp)
+        for old in sorted(self.folder.glob("step-*.pt"))[:-self.keep]:
+            old.unlink(missing_ok=True)
+        return path
+
+    def restore(self, model, optimizer, scheduler, metrics_path: Path) -> Position:
+        """Load the latest checkpoint into the objects and cut the metrics back to it; without one, start
+        afresh (the metrics of an earlier run in this folder are removed)."""
+        path = self.latest()
+        if path is None:
+            metrics_path.unlink(missing_ok=True)
+            return Position()
+        ck = torch.load(path, map_location="cpu", weights_only=False)
+        if ck["fingerprint"] != self.fingerprint:
+            raise PipelineError(f"{path}: written with other training params; use a new output_dir or delete "
+                                f"{self.folder}")
+        model.load_state_dict(ck["model"])
+        optimizer.load_state_dict(ck["optimizer"])
+        scheduler.load_state_dict(ck["scheduler"])
+        set_rng_state(ck["rng"])
+        pos = Position(ck["step"], ck["epoch"], ck["batch_pos"])
+        truncate_metrics(metrics_path, pos.step)
+        log.info("resumed from %s at step %d (epoch %d, batch %d)", path, pos.step, pos.epoch, pos.batch_pos)
+        return pos

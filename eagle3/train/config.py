@@ -1,0 +1,85 @@
+"""The training and evaluation phase configs: each field declared once (default, bounds, help), torch-free.
+
+Fields with a `param` name are trigger-form params (eagle3.knobs.form_params); the rest are set through the
+form's free `train_overrides` object, where an unknown key is a ConfigError naming it (eagle3.knobs.build).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from eagle3.errors import ConfigError
+from eagle3.io import fingerprint
+from eagle3.knobs import check_knobs, knob
+
+TRAINING, EVALUATION = "Training", "Evaluation"
+
+# Params that change how a run goes, not what it produces: a finished run with other values is reused.
+_NOT_IN_FINGERPRINT = ("device", "log_every", "log_every_s", "checkpoint_every", "keep_checkpoints", "compile")
+
+
+@dataclass
+class TrainConfig:
+    shard_dirs: list[str] = knob(help="Shard folders of extracted hidden states (the extraction tasks' outputs).")
+    model_path: str = knob(help="The target model (HF folder): its embedding and lm_head are read, not trained.")
+    output_dir: str = knob(help="The training folder: vocab, checkpoints, metrics, export/, report.json.")
+    draft_vocab_size: int = knob(32000, min=2, param="draft_vocab_size", section=TRAINING,
+                                 help="Draft vocabulary (capped at the distinct tokens seen).")
+    ttt_steps: int = knob(7, min=1, max=32, param="ttt_steps", section=TRAINING,
+                          help="Training-time-test depth K.")
+    step_decay: float = knob(0.8, gt=0, max=1, help="Weight of TTT step k is step_decay^k.")
+    lr: float = knob(1e-4, gt=0, param="lr", section=TRAINING, help="Peak learning rate.")
+    min_lr_ratio: float = knob(0.0, min=0, max=1, help="Cosine schedule floor, as a fraction of lr.")
+    warmup_ratio: float = knob(0.015, min=0, max=0.9, help="Fraction of the steps spent in linear warmup.")
+    weight_decay: float = knob(0.0, min=0, help="AdamW weight decay.")
+    grad_clip: float = knob(0.5, gt=0, help="Gradient norm clip.")
+    batch_size: int = knob(4, min=1, param="batch_size", section=TRAINING, help="Samples per micro-batch.")
+    grad_accum: int = knob(1, min=1, help="Micro-batches per optimizer step.")
+    max_seq_len: int = knob(8192, min=3, help="Tokens of a sample that are trained on; longer samples are cut and "
+                                              "counted in report.json. The run configuration sets it to merge's cap.")
+    epochs: int = knob(1, min=1, param="epochs", section=TRAINING, help="Passes over the data.")
+    max_steps: int = knob(0, min=0, param="max_steps", section=TRAINING,
+                          help="Optimizer steps; 0 = run the epochs.")
+    checkpoint_every: int = knob(100, min=1, help="Optimizer steps between checkpoints (a killed run resumes there).")
+    keep_checkpoints: int = knob(2, min=1, help="Checkpoints kept on disk.")
+    seed: int = knob(0, min=0, help="Data order and initialisation seed.")
+    device: str = knob("auto", help="auto = cuda when available, else cpu; or a torch device name.")
+    init_lm_head_from_target: bool = knob(True, help="Start the drafter's lm_head from the target's rows.")
+    log_every: int = knob(1, min=1, help="A metrics.jsonl line every N optimizer steps.")
+    log_every_s: float = knob(10.0, min=0, help="A progress line in the task log at most this often (seconds).")
+    compile: bool = knob(True, help="torch.compile the TTT loss on GPU.")
+    pad_multiple: int = knob(256, min=1, help="Compiled: pad batch lengths to pad_multiple * 2^j (few graphs).")
+
+    def __post_init__(self) -> None:
+        check_knobs(self, "train")
+        if not self.shard_dirs:
+            raise ConfigError("train param shard_dirs is empty: no extracted hidden states to train on")
+        if self.max_seq_len < self.ttt_steps + 2:
+            raise ConfigError(f"train param max_seq_len {self.max_seq_len} must be >= ttt_steps + 2 = "
+                              f"{self.ttt_steps + 2}: step K predicts the token K+1 places ahead")
+
+    def fingerprint(self) -> str:
+        return fingerprint({k: v for k, v in asdict(self).items() if k not in _NOT_IN_FINGERPRINT})
+
+
+@dataclass
+class EvalConfig:
+    export_dir: str = knob(help="The drafter export to evaluate (the training phase's export/).")
+    model_path: str = knob(help="The target model (HF folder).")
+    output_dir: str = knob(help="The evaluation folder: report.json, acceptance.png.")
+    prompts: list[str] = knob(default_factory=list, help="Held-out user prompts (besides prompts_file).")
+    prompts_file: str = knob("", param="eval_prompts_file", section=EVALUATION,
+                             help="Held-out prompts (JSONL with prompt or messages).")
+    k: int = knob(5, min=1, max=32, param="eval_k", section=EVALUATION, help="Draft tokens per target forward.")
+    max_new_tokens: int = knob(64, min=1, param="eval_max_new_tokens", section=EVALUATION,
+                               help="Tokens generated per prompt.")
+    max_prompts: int = knob(0, min=0, help="Evaluate the first N prompts only (0 = all).")
+    random_floor: bool = knob(True, help="Also evaluate a randomly initialised drafter of the same shape.")
+    floor_max_prompts: int = knob(0, min=0, help="The random floor on the first N prompts only (0 = all): slow.")
+    seed: int = knob(0, min=0, help="Seed of the random-floor drafter.")
+    device: str = knob("auto", help="auto = cuda when available; the target runs in fp32 there too.")
+
+    def __post_init__(self) -> None:
+        check_knobs(self, "eval")
+        if not self.prompts and not self.prompts_file:
+            raise ConfigError("eval needs held-out prompts: give `prompts` or `prompts_file`")

@@ -1,0 +1,128 @@
+"""The export against the serving engines' own rules: which target layers each captures from our config.json,
+and whether it loads the vocabulary map. Each rule is restated here from the engine's source, independently
+of eagle3.train.serving, so a change there cannot silently agree with itself."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from eagle3.models import ModelInfo
+
+
+def info(model_type: str = "llama", layers: int = 30, vocab: int = 300) -> ModelInfo:
+    return ModelInfo(path="/target", model_type=model_type, num_layers=layers, hidden_size=32, intermediate_size=64,
+                     num_attention_heads=4, num_key_value_heads=2, head_dim=8, vocab_size=vocab,
+                     max_position_embeddings=256, rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=False)
+
+
+def default_layers(num_layers: int) -> list[int]:
+    return [2, num_layers // 2, num_layers - 3]
+
+
+def sglang_captures(config: dict, target_model_type: str, num_layers: int) -> list[int]:
+    """HF hidden_states indices SGLang feeds the drafter. sglang python/sglang/srt/speculative/eagle_worker.py
+    reads eagle_config["eagle_aux_hidden_state_layer_ids"] (None -> the target's default); the target's
+    set_eagle3_layers_to_capture (models/llama.py) captures the input of layer id + 1; models/deepseek_v2.py
+    adds the 1 only when the first id is 1."""
+    ids = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    if ids is None:
+        return default_layers(num_layers)
+    if target_model_type in ("deepseek_v2", "deepseek_v3") and ids[0] != 1:
+        return list(ids)
+    return [i + 1 for i in ids]
+
+
+def vllm_v1_captures(config: dict, num_layers: int) -> list[int]:
+    """vllm/v1/worker/gpu_model_runner.py _get_eagle3_aux_layers_from_config: top-level ids, else the nested
+    eagle_config ids, else the target's default; models/llama.py captures the input of layer idx."""
+    ids = config.get("eagle_aux_hidden_state_layer_ids") or (config.get("eagle_config") or {}).get(
+        "eagle_aux_hidden_state_layer_ids")
+    return list(ids) if ids else default_layers(num_layers)
+
+
+def vllm_v2_captures(config: dict, num_layers: int) -> list[int]:
+    """vllm/v1/worker/gpu/spec_decode/eagle/eagle3_utils.py get_eagle3_aux_layers_from_config: top-level ids,
+    else eagle_config["layer_ids"], else the target's default."""
+    ids = config.get("eagle_aux_hidden_state_layer_ids") or (config.get("eagle_config") or {}).get("layer_ids")
+    return list(ids) if ids else default_layers(num_layers)
+
+
+def vllm_draft_to_target(config: dict, tensors: dict) -> torch.Tensor:
+    """vllm/model_executor/models/llama_eagle3.py: logits of draft id i go to target id i + d2t[i] (zeros when the
+    checkpoint has no d2t); a d2t beside draft_vocab_size == vocab_size is refused (vLLM then expects none)."""
+    if "d2t" in tensors and config["draft_vocab_size"] == config["vocab_size"]:
+        raise ValueError("vLLM: draft_vocab_size equals the target vocab, but the checkpoint has a d2t")
+    d2t = tensors.get("d2t", torch.zeros(config["draft_vocab_size"], dtype=torch.long))
+    return torch.arange(config["draft_vocab_size"]) + d2t
+
+
+def sglang_draft_to_target(config: dict, tensors: dict) -> torch.Tensor:
+    """sglang models/llama_eagle3.py: hot_token_id = d2t + arange; without d2t none, and the draft lm_head must
+    cover the whole vocabulary (ParallelLMHead(draft_vocab_size) against the target's logits)."""
+    if "d2t" in tensors:
+        return tensors["d2t"] + torch.arange(tensors["d2t"].shape[0])
+    assert config["draft_vocab_size"] == config["vocab_size"], "SGLang: no d2t for a partial draft vocabulary"
+    return torch.arange(config["vocab_size"])
+
+
+def export(tmp_path, target: ModelInfo, capture: list[int], draft_ids: torch.Tensor):
+    from safetensors.torch import load_file
+
+    from eagle3.train.export import export_drafter
+    from eagle3.train.model import DrafterConfig, Eagle3Drafter
+    from eagle3.train.vocab import DraftVocab
+
+    vocab = DraftVocab(draft_ids, target.vocab_size)
+    drafter = Eagle3Drafter(DrafterConfig.from_target(target, vocab.size, len(capture)))
+    out = export_drafter(drafter, vocab, target, capture, tmp_path / "export")
+    return json.loads((out / "config.json").read_text()), load_file(str(out / "model.safetensors")), out
+
+
+@pytest.mark.parametrize("model_type,layers,capture", [
+    ("llama", 30, [2, 15, 27]),  # the default of a 30-layer target
+    ("llama", 30, [1, 5, 9]),  # custom, incl. the first decoder layer's output
+    ("qwen3", 36, [3, 18, 33, 35]),  # four layers, none the default
+    ("deepseek_v3", 61, [2, 30, 58]),  # SGLang's DeepSeek model: first id 1, so it adds the 1
+])
+def test_both_engines_capture_exactly_our_capture_layers(tmp_path, model_type, layers, capture):
+    from eagle3.train.serving import serving_problems
+
+    config, _, _ = export(tmp_path, info(model_type, layers), capture, torch.arange(0, 300, 3))
+    assert sglang_captures(config, model_type, layers) == capture
+    assert vllm_v1_captures(config, layers) == capture
+    assert vllm_v2_captures(config, layers) == capture
+    assert serving_problems(capture, model_type) == []
+
+
+def test_a_deepseek_target_whose_first_capture_is_not_2_is_reported(tmp_path):
+    from eagle3.train.serving import serving_problems
+
+    capture = [3, 30, 58]
+    config, _, _ = export(tmp_path, info("deepseek_v3", 61), capture, torch.arange(0, 300, 3))
+    assert vllm_v1_captures(config, 61) == vllm_v2_captures(config, 61) == capture
+    got = sglang_captures(config, "deepseek_v3", 61)
+    assert got != capture  # SGLang cannot be told these layers for this model: say so instead
+    (problem,) = serving_problems(capture, "deepseek_v3")
+    assert f"capture layers {got} instead of {capture}" in problem
+
+
+def test_a_draft_vocabulary_of_the_whole_target_vocabulary_loads_in_both_engines(tmp_path):
+    from eagle3.train.export import load_exported
+
+    target = info(vocab=300)
+    config, tensors, out = export(tmp_path, target, [2, 15, 27], torch.arange(300))
+    assert config["draft_vocab_size"] == config["vocab_size"] == 300
+    assert torch.equal(vllm_draft_to_target(config, tensors), torch.arange(300))
+    assert torch.equal(sglang_draft_to_target(config, tensors), torch.arange(300))
+    _, vocab, _ = load_exported(out)
+    assert vocab.is_full and torch.equal(vocab.to_target(torch.tensor([0, 299])), torch.tensor([0, 299]))
+
+
+def test_a_partial_draft_vocabulary_maps_the_same_in_both_engines(tmp_path):
+    draft_ids = torch.tensor([0, 4, 5, 17, 250])
+    config, tensors, _ = export(tmp_path, info(vocab=300), [2, 15, 27], draft_ids)
+    assert torch.equal(vllm_draft_to_target(config, tensors), draft_ids)
+    assert torch.equal(sglang_draft_to_target(config, tensors), draft_ids)
