@@ -42,8 +42,8 @@ from eagle3.merge.config import MergeConfig  # noqa: E402
 from eagle3.merge.run import run_merge  # noqa: E402
 from eagle3.models import COMPLETE_MARKER, convert_gguf, default_capture_layers, load_model, load_tokenizer, model_info  # noqa: E402
 from eagle3.train import selfdistill as sd  # noqa: E402
-from eagle3.train.run import EvalConfig, evaluate_phase, train_phase  # noqa: E402
-from eagle3.train.trainer import TrainConfig  # noqa: E402
+from eagle3.train.config import EvalConfig, TrainConfig  # noqa: E402
+from eagle3.train.run import evaluate_phase, train_phase  # noqa: E402
 
 log = logging.getLogger("quality")
 
