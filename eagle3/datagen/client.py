@@ -14,17 +14,20 @@ import asyncio
 import json
 import logging
 import random
+import re
 import time
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable
+from urllib.parse import urlsplit, urlunsplit
 
 import openai
 
 from eagle3.datagen.prompts import Prompt
+from eagle3.datagen.redact import redact, redacting_logger, register_secret
 from eagle3.datagen.spec import ClientConfig, DatasetSpec
 
-log = logging.getLogger(__name__)
+log = redacting_logger(__name__)
 # one INFO line per HTTP request drowns the progress lines at 2000 in flight
 for _name in ("httpx", "httpx2", "openai"):
     logging.getLogger(_name).setLevel(logging.WARNING)
@@ -32,16 +35,46 @@ for _name in ("httpx", "httpx2", "openai"):
 RETRYABLE_STATUS = {408, 409, 429}
 SDK_PARAMS = {"model", "messages", "max_tokens", "temperature", "top_p", "seed"}
 MAX_RETRY_AFTER_S = 120.0
+TOO_LONG = "too_long"
+# what servers answer (HTTP 400) to a prompt that does not fit their context: llama.cpp's server
+# ("the request exceeds the available context size", type exceed_context_size_error), llama-cpp-python,
+# OpenAI and vLLM ("This model's maximum context length is N tokens", code context_length_exceeded),
+# older vLLM ("The decoder prompt (length N) is longer than the maximum model length of M") and SGLang
+# ("The input (N tokens) is longer than the model's context length", "Requested token count exceeds the
+# model's maximum context length"). No retry and no other request makes such a prompt fit.
+TOO_LONG_MESSAGE = re.compile(
+    r"(?i)exceeds? the available context size|exceed_context_size|context_length_exceeded|"
+    r"maximum context length|longer than the (?:model's context length|maximum model length)")
 
 
 @dataclass
 class Endpoint:
+    """An OpenAI-compatible base URL and its API key. A `user:key@` in the URL is credentials, not address:
+    it is taken out of `base_url` (which is printed and written) and its key is the API key when none is
+    given. The key is registered for redaction and never printed."""
+
     base_url: str
-    api_key: str = field(default="EMPTY", repr=False)  # never printed
+    api_key: str = field(default="EMPTY", repr=False)
+
+    def __post_init__(self) -> None:
+        parts = urlsplit(self.base_url)
+        if parts.username is not None or parts.password is not None:
+            url_key = parts.password or parts.username or ""
+            if not self.api_key or self.api_key == "EMPTY":
+                self.api_key = url_key
+            register_secret(url_key)
+            host = parts.hostname or ""
+            netloc = f"[{host}]" if ":" in host else host
+            self.base_url = urlunsplit(parts._replace(netloc=netloc + (f":{parts.port}" if parts.port else "")))
+        self.base_url = self.base_url.rstrip("/")
+        register_secret(self.api_key)
 
 
 class SampleFailed(Exception):
+    """A sample that failed for good; the message is redacted (it goes to errors.jsonl and the logs)."""
+
     def __init__(self, reason: str, message: str, attempts: int):
+        message = redact(message)
         super().__init__(f"{reason}: {message}")
         self.reason, self.message, self.attempts = reason, message, attempts
 
@@ -52,7 +85,8 @@ class RunStats:
 
     total: int = 0  # samples to generate in this run
     done: int = 0
-    failed: int = 0
+    failed: int = 0  # counted against the failure budget
+    too_long: int = 0  # prompts the endpoint rejected as longer than its context: bad input, not failures
     requests: int = 0  # successful HTTP completions
     prompt_tokens: int = 0
     completion_tokens: int = 0
@@ -66,12 +100,13 @@ class RunStats:
 
     def progress_line(self, name: str, cfg: ClientConfig) -> str:
         el = self.elapsed()
-        fin = self.done + self.failed
+        fin = self.done + self.failed + self.too_long
         rate = fin / el
         eta = (self.total - fin) / rate if rate > 0 else float("inf")
         cost = cost_usd(self.prompt_tokens, self.completion_tokens, cfg)
         return (f"{name}: {fin}/{self.total} ({100.0 * fin / max(self.total, 1):.1f}%) done={self.done} "
-                f"failed={self.failed} retries={sum(self.retries.values())} {self.requests / el:.1f} req/s "
+                f"failed={self.failed} too_long={self.too_long} retries={sum(self.retries.values())} "
+                f"{self.requests / el:.1f} req/s "
                 f"{(self.prompt_tokens + self.completion_tokens) / el:.0f} tok/s "
                 f"(out {self.completion_tokens / el:.0f}) ${cost:.4f} elapsed {el:.0f}s ETA {_fmt_eta(eta)}")
 
@@ -140,7 +175,8 @@ class AiohttpChat:
             async with self.session.post(self.url, data=json.dumps(payload)) as r:
                 body = await r.read()
                 if r.status != 200:
-                    raise StatusError(r.status, body[:300].decode(errors="replace"),
+                    # redacted before it is cut: a cut could leave a key's head that no longer matches
+                    raise StatusError(r.status, redact(body.decode(errors="replace"))[:300],
                                       _parse_retry_after(r.headers.get("Retry-After")))
         except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as e:
             if isinstance(e, aiohttp.ServerTimeoutError):
@@ -177,7 +213,7 @@ class OpenAISDKChat:
         except openai.APIConnectionError as e:
             raise ConnectionFailed(str(e.__cause__ or e)) from None
         except openai.APIStatusError as e:
-            raise StatusError(e.status_code, str(e.message)[:300],
+            raise StatusError(e.status_code, redact(str(e.message))[:300],
                               _parse_retry_after(e.response.headers.get("retry-after"))) from None
         except openai.APIResponseValidationError as e:
             raise ValueError(str(e)[:300]) from None
@@ -205,6 +241,8 @@ async def chat_with_retries(client, payload: dict, cfg: ClientConfig, stats: Run
             reason, message = "connection", str(e)
         except StatusError as e:
             reason, message = str(e.status), e.message
+            if e.status in (400, 413) and TOO_LONG_MESSAGE.search(message):
+                raise SampleFailed(TOO_LONG, message, attempt + 1) from None
             if not (e.status in RETRYABLE_STATUS or e.status >= 500):
                 raise SampleFailed(reason, message, attempt + 1) from None
             delay = e.retry_after
@@ -259,8 +297,12 @@ async def generate_sample(client, prompt: Prompt, spec: DatasetSpec, cfg: Client
 
 async def generate_all(client, prompts: list[Prompt], spec: DatasetSpec, cfg: ClientConfig,
                        on_done: Callable[[dict], None], on_failed: Callable[[Prompt, SampleFailed], None],
-                       stats: RunStats | None = None, seed: int = 0, dataset_size: int | None = None) -> RunStats:
-    """Generate `prompts`; the failure budget is a fraction of `dataset_size` (all prompts, resumed ones too)."""
+                       stats: RunStats | None = None, seed: int = 0, dataset_size: int | None = None,
+                       on_too_long: Callable[[Prompt, SampleFailed], None] | None = None) -> RunStats:
+    """Generate `prompts`; the failure budget is a fraction of `dataset_size` (all prompts, resumed ones too).
+
+    A prompt the endpoint rejects as too long for its context goes to `on_too_long` (default: `on_failed`)
+    and does not count against the budget: it is a bad input line, which no retry fixes."""
     stats = stats or RunStats()
     stats.total = len(prompts)
     size = dataset_size or len(prompts)
@@ -275,6 +317,10 @@ async def generate_all(client, prompts: list[Prompt], spec: DatasetSpec, cfg: Cl
             try:
                 rec = await generate_sample(client, prompt, spec, cfg, stats, rng)
             except SampleFailed as e:
+                if e.reason == TOO_LONG:
+                    stats.too_long += 1
+                    (on_too_long or on_failed)(prompt, e)
+                    continue
                 stats.failed += 1
                 stats.failures[e.reason] += 1
                 on_failed(prompt, e)

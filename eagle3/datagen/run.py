@@ -5,38 +5,54 @@ Folder `<out>/<dataset>/`:
                        the resumable part; tokenization can be redone from it without regenerating
   generations.meta.json the params the generations were made with (other params -> the old file is set aside)
   errors.jsonl         samples that failed after all retries (append-only, one line per failure)
+  too_long.jsonl       prompts the endpoint rejected as longer than its context: bad input lines, recorded
+                       once and never sent again (delete the file to re-send them, e.g. after raising the
+                       server's context length)
   tokenized.jsonl      {"sample_id", "dataset", "input_ids", "loss_mask"} in prompt-file order (merge input)
   report.json          counts, drops by reason, tokens, wall, rates, cost
-  manifest.json        written last: {"complete": true, fingerprint, rows, sha256...}
+  manifest.json        written last (io.PhaseOutput): {"complete": true, fingerprint, rows, sha256...}
+
+The prompt file is read and checked first, and an endpoint is only connected to (a local server only started)
+when prompts are left to generate. Everything written is redacted (eagle3.datagen.redact).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
-import logging
 import re
 import time
 from dataclasses import asdict
 from pathlib import Path
+from typing import Callable, ContextManager, Iterator
 
 from eagle3.datagen.client import Endpoint, RunStats, SampleFailed, cost_usd, generate_all, make_client
-from eagle3.datagen.prompts import Prompt, read_prompts
-from eagle3.datagen.spec import ClientConfig, DatasetSpec
-from eagle3.datagen.store import AppendWriter, repair_tail, scan_and_repair
+from eagle3.datagen.prompts import MAX_REPORTED_BAD_LINES, Prompt, read_prompts
+from eagle3.datagen.redact import redact, redacting_logger, register_secret
+from eagle3.datagen.server import DEFAULT_SERVER_COMMAND, LocalServer
+from eagle3.datagen.spec import ClientConfig, DatagenConfig, DatasetSpec
+from eagle3.datagen.store import AppendWriter, iter_records, repair_tail, scan_and_repair
 from eagle3.datagen.tokenize import MaskMismatch, tokenize_conversation
-from eagle3.errors import PipelineError
-from eagle3.io import MANIFEST_NAME, atomic_path, atomic_write_json, fingerprint, read_json, remove_stale_temps, sha256_file
+from eagle3.errors import ConfigError, PipelineError
+from eagle3.io import (DiskFullError, PhaseOutput, atomic_path, atomic_write_json, fingerprint, read_json,
+                       remove_stale_temps, sha256_file)
 
-log = logging.getLogger(__name__)
+log = redacting_logger(__name__)
 
 GENERATIONS = "generations.jsonl"
 GENERATIONS_META = "generations.meta.json"
 ERRORS = "errors.jsonl"
+TOO_LONG = "too_long.jsonl"
 TOKENIZED = "tokenized.jsonl"
 REPORT = "report.json"
 DROP_REASONS = ("empty", "refused", "truncated", "mask_mismatch")
+# what an endpoint's answers depend on: files made with other sampling params are set aside together
+FINGERPRINTED = (GENERATIONS, TOO_LONG)
+
+# the endpoint, or a way to get one for the duration of the generation (a local server's lifetime)
+EndpointSource = Callable[[], ContextManager[Endpoint]]
 
 
 class FailureBudgetExceeded(PipelineError):
@@ -60,14 +76,17 @@ def drop_reason(rec: dict, spec: DatasetSpec, refusal: list[re.Pattern]) -> str 
 
 
 def _set_aside_old_generations(folder: Path, gen_fp: str) -> None:
-    meta_path, gen_path = folder / GENERATIONS_META, folder / GENERATIONS
-    if gen_path.exists():
-        old = read_json(meta_path).get("fingerprint") if meta_path.exists() else "unknown"
-        if old != gen_fp:
-            # answers made with other params must not mix with new ones; keep them (nothing written is lost)
-            aside = folder / f"generations.{old}.jsonl"
-            gen_path.rename(aside)
-            log.warning("%s was made with other params (fingerprint %s != %s): moved to %s", gen_path, old, gen_fp, aside)
+    meta_path = folder / GENERATIONS_META
+    old = read_json(meta_path).get("fingerprint") if meta_path.exists() else "unknown"
+    if old != gen_fp:
+        for name in FINGERPRINTED:
+            path = folder / name
+            if path.exists():
+                # answers made with other params must not mix with new ones; keep them (nothing written is lost)
+                aside = folder / f"{path.stem}.{old}.jsonl"
+                path.rename(aside)
+                log.warning("%s was made with other params (fingerprint %s != %s): moved to %s", path, old,
+                            gen_fp, aside)
     atomic_write_json(meta_path, {"fingerprint": gen_fp})
 
 
@@ -131,45 +150,55 @@ def run_fingerprint(spec: DatasetSpec, cfg: ClientConfig, tokenizer_path) -> str
                         "refusal_patterns": spec.refusal_patterns, "tokenizer": str(tokenizer_path)})
 
 
-def is_complete(spec: DatasetSpec, cfg: ClientConfig, tokenizer_path, out_dir) -> bool:
-    """True when the dataset's manifest vouches for a tokenized file made with these params and inputs."""
-    folder = Path(out_dir) / spec.name
-    man_path, tok_path = folder / MANIFEST_NAME, folder / TOKENIZED
-    if not (man_path.exists() and tok_path.exists() and Path(spec.prompt_file).is_file()):
-        return False
-    man = read_json(man_path)
-    return bool(man.get("complete") and man.get("fingerprint") == run_fingerprint(spec, cfg, tokenizer_path)
-                and sha256_file(tok_path) == man.get("sha256"))
+def _tokenized_matches(folder: Path) -> Callable[[dict], bool]:
+    def verify(manifest: dict) -> bool:
+        tok_path = folder / TOKENIZED
+        return tok_path.is_file() and sha256_file(tok_path) == manifest.get("sha256")
+    return verify
 
 
-def run_dataset(spec: DatasetSpec, cfg: ClientConfig, endpoint: Endpoint | None, tokenizer_path: str,
-                out_dir: str | Path, tokenizer=None) -> dict:
-    """Generate (resuming), tokenize, report. Returns the report dict; raises on a blown failure budget."""
-    folder = Path(out_dir) / spec.name
+def run_dataset(spec: DatasetSpec, cfg: ClientConfig, endpoint: Endpoint | EndpointSource | None,
+                tokenizer_path: str, out_dir: str | Path, tokenizer=None) -> dict:
+    """Generate (resuming), tokenize, report. Returns the report dict; raises on a blown failure budget.
+
+    A full disk raises DiskFullError naming the file and the phase; what was committed stays, a re-run resumes."""
+    try:
+        return _run_dataset(spec, cfg, endpoint, tokenizer_path, Path(out_dir), tokenizer)
+    except DiskFullError as e:
+        raise DiskFullError(f"datagen, dataset {spec.name}: {e}") from e
+
+
+def _run_dataset(spec: DatasetSpec, cfg: ClientConfig, endpoint: Endpoint | EndpointSource | None,
+                 tokenizer_path: str, out_dir: Path, tokenizer) -> dict:
+    folder = out_dir / spec.name
+    pset = read_prompts(spec.prompt_file, spec.name, spec.on_bad_line, spec.limit)  # before any server starts
     folder.mkdir(parents=True, exist_ok=True)
     remove_stale_temps(folder)
-    pset = read_prompts(spec.prompt_file, spec.name, spec.on_bad_line, spec.limit)
     gen_fp = generation_fingerprint(spec, cfg)
     run_fp = run_fingerprint(spec, cfg, tokenizer_path)
-    manifest_path = folder / MANIFEST_NAME
-    if is_complete(spec, cfg, tokenizer_path, out_dir):
+    out = PhaseOutput(folder, run_fp)
+    if out.completed(verify=_tokenized_matches(folder)) is not None:
         log.info("%s: complete (manifest fingerprint %s matches): skipped", spec.name, run_fp)
         return {**read_json(folder / REPORT), "skipped": True}
-    manifest_path.unlink(missing_ok=True)  # stale or other params: it must not vouch for what follows
+    out.invalidate()
 
     _set_aside_old_generations(folder, gen_fp)
     scan = scan_and_repair(folder / GENERATIONS)
     repair_tail(folder / ERRORS)  # append-only too: a kill can cut its last line
-    todo = [p for p in pset.prompts if p.sample_id not in scan.done_ids]
-    log.info("%s: %d prompts, %d already done (resume), %d to generate%s", spec.name, len(pset.prompts),
-             len(pset.prompts) - len(todo), len(todo),
+    too_long_ids = scan_and_repair(folder / TOO_LONG).done_ids
+    todo = [p for p in pset.prompts if p.sample_id not in scan.done_ids and p.sample_id not in too_long_ids]
+    resumed = sum(p.sample_id in scan.done_ids for p in pset.prompts)
+    log.info("%s: %d prompts, %d already done (resume), %d too long (not sent again), %d to generate%s",
+             spec.name, len(pset.prompts), resumed, len(pset.prompts) - resumed - len(todo), len(todo),
              f"; repaired a truncated last line ({scan.truncated_bytes} bytes)" if scan.truncated_bytes else "")
 
-    stats = RunStats()
+    stats, endpoint_url = RunStats(), None
     if todo:
         if endpoint is None:
             raise PipelineError(f"{spec.name}: {len(todo)} prompts left to generate but no endpoint was given")
-        stats = asyncio.run(_generate(todo, spec, cfg, endpoint, folder, len(pset.prompts)))
+        with (endpoint() if callable(endpoint) else contextlib.nullcontext(endpoint)) as ep:
+            endpoint_url = ep.base_url
+            stats = asyncio.run(_generate(todo, spec, cfg, ep, folder, len(pset.prompts)))
     wall = stats.elapsed() if todo else 0.0
 
     if tokenizer is None:
@@ -178,15 +207,17 @@ def run_dataset(spec: DatasetSpec, cfg: ClientConfig, endpoint: Endpoint | None,
         tokenizer = load_tokenizer(tokenizer_path)
     t0 = time.monotonic()
     tok = tokenize_dataset(folder, pset.prompts, spec, tokenizer)
+    too_long = _too_long_lines(folder, pset.prompts, spec.prompt_file)
     report = {
         "dataset": spec.name, "prompt_file": str(spec.prompt_file), "model": cfg.model,
-        "endpoint": endpoint.base_url if endpoint else None, "fingerprint": run_fp,
+        "endpoint": redact(endpoint_url) if endpoint_url else None, "fingerprint": run_fp,
         "prompts": len(pset.prompts), "bad_lines": pset.bad_lines, "bad_line_messages": pset.bad_line_messages,
         "duplicate_prompt_lines": pset.duplicate_lines,
-        "resumed_done": len(pset.prompts) - len(todo), "resume_repaired_bytes": scan.truncated_bytes,
+        "too_long": len(too_long), "too_long_lines": too_long[:MAX_REPORTED_BAD_LINES],
+        "resumed_done": resumed, "resume_repaired_bytes": scan.truncated_bytes,
         "resume_dropped_corrupt_lines": len(scan.corrupt_lines),
         "this_run": {
-            "attempted": len(todo), "generated": stats.done, "failed": stats.failed,
+            "attempted": len(todo), "generated": stats.done, "failed": stats.failed, "too_long": stats.too_long,
             "failures_by_reason": dict(stats.failures), "retries_by_reason": dict(stats.retries),
             "requests": stats.requests, "prompt_tokens": stats.prompt_tokens,
             "completion_tokens": stats.completion_tokens, "wall_s": round(wall, 3),
@@ -196,7 +227,7 @@ def run_dataset(spec: DatasetSpec, cfg: ClientConfig, endpoint: Endpoint | None,
             "cost_usd": round(cost_usd(stats.prompt_tokens, stats.completion_tokens, cfg), 6),
             "aborted": stats.aborted,
         },
-        "generated": tok["generated"], "missing": len(pset.prompts) - tok["generated"],
+        "generated": tok["generated"], "missing": len(pset.prompts) - tok["generated"] - len(too_long),
         "dropped": tok["dropped"], "dropped_examples": tok["dropped_examples"],
         "rows": tok["rows"], "tokens": tok["tokens"], "loss_tokens": tok["loss_tokens"],
         "usage": {"prompt_tokens": tok["usage_prompt_tokens"], "completion_tokens": tok["usage_completion_tokens"]},
@@ -217,26 +248,66 @@ def run_dataset(spec: DatasetSpec, cfg: ClientConfig, endpoint: Endpoint | None,
     if report["missing"]:
         log.warning("%s: %d prompts failed within the budget (max_failed_fraction=%s): listed in %s",
                     spec.name, report["missing"], cfg.max_failed_fraction, folder / ERRORS)
-    atomic_write_json(manifest_path, {
-        "complete": True, "dataset": spec.name, "fingerprint": run_fp, "file": TOKENIZED,
-        "sha256": sha256_file(folder / TOKENIZED), "rows": tok["rows"], "tokens": tok["tokens"],
-        "loss_tokens": tok["loss_tokens"], "prompts": len(pset.prompts), "missing": report["missing"],
-        "dropped": tok["dropped"]})
-    log.info("%s: %d rows, %d tokens (%d under the loss mask), dropped %s, missing %d, cost $%.4f -> %s",
-             spec.name, tok["rows"], tok["tokens"], tok["loss_tokens"], tok["dropped"], report["missing"],
-             report["cost_usd"], folder)
+    out.commit({
+        "dataset": spec.name, "file": TOKENIZED, "sha256": sha256_file(folder / TOKENIZED), "rows": tok["rows"],
+        "tokens": tok["tokens"], "loss_tokens": tok["loss_tokens"], "prompts": len(pset.prompts),
+        "missing": report["missing"], "too_long": len(too_long), "dropped": tok["dropped"]})
+    log.info("%s: %d rows, %d tokens (%d under the loss mask), dropped %s, too long %d, missing %d, cost $%.4f -> %s",
+             spec.name, tok["rows"], tok["tokens"], tok["loss_tokens"], tok["dropped"], len(too_long),
+             report["missing"], report["cost_usd"], folder)
     return report
+
+
+def _too_long_lines(folder: Path, prompts: list[Prompt], prompt_file: str) -> list[str]:
+    """`file:line: reason` of every prompt of this file the endpoint rejected as too long, in file order."""
+    path = folder / TOO_LONG
+    if not path.exists():
+        return []
+    line_of = {p.sample_id: p.line_no for p in prompts}
+    recs = sorted((line_of[r["sample_id"]], r["message"]) for r in iter_records(path) if r["sample_id"] in line_of)
+    return [f"{prompt_file}:{line}: {message}" for line, message in recs]
 
 
 async def _generate(todo: list[Prompt], spec: DatasetSpec, cfg: ClientConfig, endpoint: Endpoint,
                     folder: Path, dataset_size: int) -> RunStats:
     client = make_client(endpoint, cfg)
-    with AppendWriter(folder / GENERATIONS) as gen, AppendWriter(folder / ERRORS) as err:
-        def on_failed(p: Prompt, e: SampleFailed) -> None:
-            err.write({"sample_id": p.sample_id, "dataset": spec.name, "line": p.line_no, "reason": e.reason,
-                       "message": e.message, "attempts": e.attempts, "time": time.time()})
+    with (AppendWriter(folder / GENERATIONS) as gen, AppendWriter(folder / ERRORS) as err,
+          AppendWriter(folder / TOO_LONG) as too_long):
+        def record(p: Prompt, e: SampleFailed) -> dict:
+            return {"sample_id": p.sample_id, "dataset": spec.name, "line": p.line_no, "reason": e.reason,
+                    "message": e.message, "attempts": e.attempts, "time": time.time()}
+
+        def on_too_long(p: Prompt, e: SampleFailed) -> None:
+            too_long.write(record(p, e))
+            log.warning("%s:%d: longer than the endpoint's context (%s): a bad line, recorded in %s and not sent "
+                        "again", spec.prompt_file, p.line_no, e.message, folder / TOO_LONG)
 
         try:
-            return await generate_all(client, todo, spec, cfg, gen.write, on_failed, dataset_size=dataset_size)
+            return await generate_all(client, todo, spec, cfg, gen.write, lambda p, e: err.write(record(p, e)),
+                                      dataset_size=dataset_size, on_too_long=on_too_long)
         finally:
             await client.close()
+
+
+@contextlib.contextmanager
+def local_server_endpoint(cfg: DatagenConfig, api_key: str) -> Iterator[Endpoint]:
+    """The task's own server for the duration of the generation: started, awaited, always stopped."""
+    server = LocalServer(cfg.server_command or DEFAULT_SERVER_COMMAND, cfg.server_extra_args,
+                         model_path=cfg.model_path or cfg.tokenizer_path, gguf=cfg.gguf or "", port=cfg.server_port,
+                         ready_timeout_s=cfg.server_ready_timeout_s)
+    with server:  # stops the server on success, failure and Airflow's SIGTERM on task kill
+        yield Endpoint(server.base_url, api_key)
+
+
+def run_datagen(spec: DatasetSpec, cfg: DatagenConfig, *, base_url: str | None = None, api_key: str = "EMPTY",
+                tokenizer=None) -> dict:
+    """One dataset of the datagen task. remote: the endpoint at `base_url` answers; local: the task's own server
+    answers, started only when prompts are left to generate. `api_key` goes to either."""
+    register_secret(api_key)  # before a local server starts: it may print its --api-key
+    if cfg.mode == "remote":
+        if base_url is None:
+            raise ConfigError(f"datagen: mode 'remote' needs the endpoint's base URL (from conn_id {cfg.conn_id!r})")
+        source: Endpoint | EndpointSource = Endpoint(base_url, api_key)
+    else:
+        source = functools.partial(local_server_endpoint, cfg, api_key)
+    return run_dataset(spec, cfg.client_config(), source, cfg.tokenizer_path, cfg.output_dir, tokenizer)

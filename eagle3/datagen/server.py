@@ -12,7 +12,6 @@ exits, so start it from the thread that lives for the whole task (Airflow's exec
 from __future__ import annotations
 
 import ctypes
-import logging
 import os
 import shlex
 import signal
@@ -25,9 +24,10 @@ import urllib.request
 from collections import deque
 from dataclasses import dataclass, field
 
+from eagle3.datagen.redact import redact, redacting_logger
 from eagle3.errors import ConfigError, PipelineError
 
-log = logging.getLogger(__name__)
+log = redacting_logger(__name__)
 
 DEFAULT_SERVER_COMMAND = "python -m sglang.launch_server --model-path {model_path} --host {host} --port {port}"
 PR_SET_PDEATHSIG = 1
@@ -96,7 +96,7 @@ class LocalServer:
     def _pump_output(self) -> None:
         # keep reading, or a chatty server blocks on a full pipe
         for raw in iter(self.proc.stdout.readline, b""):
-            line = raw.decode(errors="replace").rstrip()
+            line = redact(raw.decode(errors="replace").rstrip())  # servers print their args, an API key too
             self.tail.append(line)
             log.info("[server] %s", line)
 

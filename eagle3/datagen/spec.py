@@ -1,4 +1,5 @@
-"""What one dataset run is: the dataset spec (user input, JSON-schema checked) and the client settings.
+"""What one datagen task is: the dataset spec (user input, JSON-schema checked), the client settings and
+the task config (DatagenConfig: output, endpoint, local server).
 
 A dataset spec names the prompt file and how to sample answers for it. It arrives from a DAG
 param or a JSON file, so it is validated with a JSON schema whose error names the field at fault;
@@ -7,12 +8,13 @@ an unknown field is an error (a typo like `max_token` must not be silently ignor
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import jsonschema
 
 from eagle3.errors import ConfigError
+from eagle3.knobs import build, check_knobs, knob
 
 DEFAULT_REFUSAL_PATTERNS = (
     r"^\s*I'?m sorry,? but I (can'?t|cannot|won'?t)",
@@ -82,40 +84,72 @@ class DatasetSpec:
 
 @dataclass
 class ClientConfig:
-    """How the async client drives the endpoint (not part of the answers' identity)."""
+    """How the async client drives the endpoint (not part of the answers' identity, except `model`)."""
 
-    model: str = "default"
-    http_client: str = "aiohttp"  # "aiohttp" (fast path, ~0.5 ms CPU/request) or "openai" (AsyncOpenAI SDK)
-    concurrency: int = 256
-    request_timeout_s: float = 600.0
-    max_retries: int = 6
-    backoff_base_s: float = 1.0
-    backoff_max_s: float = 60.0
-    max_failed_fraction: float = 0.01  # more failed samples than this fails the run
-    price_prompt_per_m: float = 0.0  # USD per million prompt tokens
-    price_completion_per_m: float = 0.0
-    log_every_s: float = 10.0
+    model: str = knob("default", help="model name sent in each request (what the endpoint serves)")
+    http_client: str = knob("aiohttp", choices=("aiohttp", "openai"),
+                            help="aiohttp: the fast path (~0.5 ms CPU/request); openai: the AsyncOpenAI SDK")
+    concurrency: int = knob(256, min=1, help="requests in flight")
+    request_timeout_s: float = knob(600.0, gt=0, help="one request's timeout")
+    max_retries: int = knob(6, min=0, help="retries of a retryable failure (429, 5xx, timeout, connection)")
+    backoff_base_s: float = knob(1.0, gt=0, help="first retry delay; doubles per retry, with jitter")
+    backoff_max_s: float = knob(60.0, gt=0, help="longest retry delay")
+    max_failed_fraction: float = knob(0.01, min=0, max=1,
+                                      help="more failed samples than this fraction of the prompts fails the run")
+    price_prompt_per_m: float = knob(0.0, min=0, help="USD per million prompt tokens")
+    price_completion_per_m: float = knob(0.0, min=0, help="USD per million completion tokens")
+    log_every_s: float = knob(10.0, gt=0, help="seconds between progress lines")
 
     def __post_init__(self):
-        for f in ("concurrency", "max_retries"):
-            v = getattr(self, f)
-            if not isinstance(v, int) or v < (1 if f == "concurrency" else 0):
-                raise ConfigError(f"client param {f}={v!r} must be an integer >= {1 if f == 'concurrency' else 0}")
-        for f in ("request_timeout_s", "backoff_base_s", "backoff_max_s", "log_every_s"):
-            if not getattr(self, f) > 0:
-                raise ConfigError(f"client param {f}={getattr(self, f)!r} must be > 0")
-        if self.http_client not in ("aiohttp", "openai"):
-            raise ConfigError(f"client param http_client={self.http_client!r} must be 'aiohttp' or 'openai'")
-        if not 0.0 <= self.max_failed_fraction <= 1.0:
-            raise ConfigError(f"client param max_failed_fraction={self.max_failed_fraction!r} must be in [0, 1]")
-        if self.price_prompt_per_m < 0 or self.price_completion_per_m < 0:
-            raise ConfigError("client params price_*_per_m must be >= 0")
+        check_knobs(self, "datagen client")
 
     @classmethod
-    def from_dict(cls, obj: dict | None) -> "ClientConfig":
-        obj = dict(obj or {})
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(obj) - known)
-        if unknown:
-            raise ConfigError(f"unknown client param(s) {unknown}; known: {sorted(known)}")
-        return cls(**obj)
+    def from_dict(cls, obj: dict | None, where: str = "datagen client") -> "ClientConfig":
+        return build(cls, dict(obj or {}), where)
+
+
+DEFAULT_CLIENT = {"concurrency": 256, "max_failed_fraction": 0.01}
+
+
+@dataclass
+class DatagenConfig:
+    """The datagen task's config: where to write, and which endpoint answers (remote, or a local server the
+    task starts). The dataset itself is the task's own mapped argument (DatasetSpec)."""
+
+    output_dir: str = knob(help="datagen output folder; <output_dir>/<dataset>/ is written")
+    tokenizer_path: str = knob(help="target model folder: tokenizer and chat template")
+    model_path: str | None = knob(None, help="{model_path} of the local server command; None = tokenizer_path")
+    mode: str = knob("local", choices=("local", "remote"), param="datagen_mode", section="Data generation",
+                     help="local: the task starts server_command; remote: the endpoint of datagen_conn_id")
+    conn_id: str | None = knob(None, param="datagen_conn_id", section="Data generation",
+                               help="Airflow Connection with the endpoint URL and API key (needed in remote mode)")
+    served_model_name: str = knob("default", param="served_model_name", section="Data generation", pattern=r"\S",
+                                  help="model name sent in each request (what the endpoint serves)")
+    server_command: str | None = knob(None, param="server_command", section="Data generation",
+                                      help="local server command ({model_path} {port} {host} {gguf}); null = SGLang")
+    server_extra_args: str | None = knob(None, param="server_extra_args", section="Data generation",
+                                         help="extra flags for the local server, e.g. '--tp 8'")
+    gguf: str | None = knob(None, param="gguf", section="Data generation",
+                            help="GGUF file for servers that take one ({gguf} in server_command)")
+    client: dict = knob(default_factory=lambda: dict(DEFAULT_CLIENT), param="datagen_client",
+                        section="Data generation",
+                        help="client params: concurrency, request_timeout_s, max_retries, max_failed_fraction, "
+                             "price_prompt_per_m, price_completion_per_m, http_client, log_every_s")
+    server_port: int | None = knob(None, min=1, max=65535, help="local server port; null = a free one")
+    server_ready_timeout_s: float = knob(900.0, gt=0, help="how long the local server may take to answer")
+
+    def __post_init__(self):
+        check_knobs(self, "datagen")
+        if self.mode == "remote" and not self.conn_id:
+            raise ConfigError("datagen: mode 'remote' needs conn_id (trigger-form param datagen_conn_id): "
+                              "an Airflow Connection with the endpoint and API key")
+        if not self.served_model_name.strip():
+            raise ConfigError("datagen param served_model_name must name the served model, got an empty string")
+        if "model" in self.client:
+            raise ConfigError("datagen param client (trigger-form param datagen_client): 'model' is set by "
+                              "served_model_name, not in the client params")
+        self.client_config()  # an unknown or bad client key fails here, naming itself
+
+    def client_config(self) -> ClientConfig:
+        return ClientConfig.from_dict({**self.client, "model": self.served_model_name},
+                                      where="datagen param client (trigger-form param datagen_client)")

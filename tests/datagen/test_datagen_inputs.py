@@ -33,7 +33,7 @@ def test_spec_bad_values_name_the_field():
 
 
 def test_client_config_rejects_unknown_and_bad_params():
-    with pytest.raises(ConfigError, match=r"unknown client param\(s\) \['concurency'\]"):
+    with pytest.raises(ConfigError, match=r"client: unknown param\(s\) \['concurency'\]"):
         ClientConfig.from_dict({"concurency": 4})
     with pytest.raises(ConfigError, match="max_failed_fraction"):
         ClientConfig.from_dict({"max_failed_fraction": 2})
@@ -148,21 +148,6 @@ def test_server_command_template():
         build_command("serve {modelpath}", None, model_path="m", port=1, host="h", gguf="")
 
 
-def test_endpoint_from_connection():
-    from airflow.sdk import Connection
-
-    from operators.datagen import endpoint_from_connection
-
-    c = Connection(conn_id="x", conn_type="openai", host="https://openrouter.ai/api/v1", password="k1")
-    assert endpoint_from_connection(c) == ("https://openrouter.ai/api/v1", "k1")
-    c = Connection(conn_id="x", conn_type="http", host="10.0.0.5", port=30000, schema="http")
-    assert endpoint_from_connection(c) == ("http://10.0.0.5:30000/v1", "")
-    c = Connection(conn_id="x", conn_type="http", extra=json.dumps({"base_url": "http://h:1/v1/"}), password="k")
-    assert endpoint_from_connection(c) == ("http://h:1/v1", "k")
-    with pytest.raises(ValueError, match="no host"):
-        endpoint_from_connection(Connection(conn_id="x", conn_type="http"))
-
-
 def test_drop_rules():
     import re
 
@@ -195,3 +180,29 @@ def test_repair_tail_of_an_append_only_file(tmp_path):
     p.write_bytes(b"x" * 200_000)  # no newline at all: nothing complete to keep
     assert repair_tail(p) == 200_000 and p.read_bytes() == b""
     assert repair_tail(tmp_path / "missing.jsonl") == 0
+
+
+def test_datagen_config_checks_and_form_params():
+    from eagle3.datagen.spec import DatagenConfig
+    from eagle3.knobs import build, form_params
+
+    base = {"output_dir": "/o", "tokenizer_path": "/m"}
+    cfg = build(DatagenConfig, base, "datagen")
+    assert cfg.mode == "local" and cfg.client_config().concurrency == 256 and cfg.client_config().model == "default"
+    with pytest.raises(ConfigError, match=r"trigger-form param datagen_client.*unknown param\(s\) \['concurency'\]"):
+        build(DatagenConfig, {**base, "client": {"concurency": 4}}, "datagen")
+    with pytest.raises(ConfigError, match=r"'model' is set by served_model_name"):
+        build(DatagenConfig, {**base, "client": {"model": "x"}}, "datagen")
+    with pytest.raises(ConfigError, match=r"mode 'remote' needs conn_id \(trigger-form param datagen_conn_id\)"):
+        build(DatagenConfig, {**base, "mode": "remote"}, "datagen")
+    with pytest.raises(ConfigError, match=r"mode.*datagen_mode.*use one of \['local', 'remote'\]"):
+        build(DatagenConfig, {**base, "mode": "cloud"}, "datagen")
+    with pytest.raises(ConfigError, match=r"server_ready_timeout_s must be > 0"):
+        build(DatagenConfig, {**base, "server_ready_timeout_s": 0}, "datagen")
+    with pytest.raises(ConfigError, match=r"unknown param\(s\) \['conn'\]"):
+        build(DatagenConfig, {**base, "conn": "x"}, "datagen")
+    form = form_params(DatagenConfig)
+    assert sorted(form) == ["datagen_client", "datagen_conn_id", "datagen_mode", "gguf", "served_model_name",
+                            "server_command", "server_extra_args"]
+    assert {p["section"] for p in form.values()} == {"Data generation"}
+    assert form["datagen_client"]["default"] == {"concurrency": 256, "max_failed_fraction": 0.01}

@@ -147,10 +147,10 @@ def test_resume_after_sigkill_has_every_prompt_once(llama_server, smollm2_path, 
     f = write_jsonl(tmp_path / "p.jsonl", [{"prompt": f"Write one short sentence about the number {i}."}
                                            for i in range(n)])
     spec = {"name": "R", "prompt_file": str(f), "max_tokens": 12}
-    client = {"model": "smollm2", "concurrency": 2, "log_every_s": 1.0}
+    client = {"concurrency": 2, "log_every_s": 1.0}
     gen = tmp_path / "R" / "generations.jsonl"
     proc = subprocess.Popen([sys.executable, "-m", "eagle3.datagen", "--spec", json.dumps(spec), "--out", str(tmp_path),
-                             "--tokenizer", str(smollm2_path), "--client", json.dumps(client),
+                             "--tokenizer", str(smollm2_path), "--model", "smollm2", "--client", json.dumps(client),
                              "--base-url", llama_server["url"]], cwd=ROOT,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 90
@@ -165,7 +165,8 @@ def test_resume_after_sigkill_has_every_prompt_once(llama_server, smollm2_path, 
     assert 3 <= done_before < n
 
     # the retry (here in-process, as an Airflow retry would run it)
-    rep = run_dataset(DatasetSpec.from_dict(spec), ClientConfig.from_dict(client), Endpoint(llama_server["url"]),
+    rep = run_dataset(DatasetSpec.from_dict(spec), ClientConfig.from_dict({**client, "model": "smollm2"}),
+                      Endpoint(llama_server["url"]),
                       smollm2_path, tmp_path, tokenizer=smollm2_tokenizer)
     ids = Counter(json.loads(x)["sample_id"] for x in gen.read_text().splitlines())
     expected = {p.sample_id for p in read_prompts(f, "R").prompts}
@@ -198,7 +199,7 @@ def test_local_server_dies_with_a_sigkilled_task(smollm2_path, smollm2_gguf, tmp
     log = tmp_path / "task.log"
     with open(log, "wb") as lf:
         task = subprocess.Popen([sys.executable, "-m", "eagle3.datagen", "--spec", json.dumps(spec), "--out",
-                                 str(tmp_path), "--tokenizer", str(smollm2_path), "--client", '{"model": "smollm2"}',
+                                 str(tmp_path), "--tokenizer", str(smollm2_path), "--model", "smollm2",
                                  "--server-command", llama_server_command(), "--gguf", str(smollm2_gguf)],
                                 cwd=ROOT, stdout=lf, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 60
@@ -229,8 +230,9 @@ def test_operator_remote_mode_key_from_connection(llama_server, smollm2_path, tm
         monkeypatch.setenv("AIRFLOW_CONN_EAGLE3_DG_TEST",
                            json.dumps({"conn_type": "openai", "host": px.base_url, "password": key}))
         op = DatagenOperator(task_id="datagen", dataset={"name": "OP", "prompt_file": str(f), "max_tokens": 8},
-                             output_dir=str(tmp_path / "out"), tokenizer_path=str(smollm2_path),
-                             conn_id="eagle3_dg_test", model="smollm2", client={"concurrency": 2, "log_every_s": 1})
+                             config={"output_dir": str(tmp_path / "out"), "tokenizer_path": str(smollm2_path),
+                                     "mode": "remote", "conn_id": "eagle3_dg_test", "served_model_name": "smollm2",
+                                     "client": {"concurrency": 2, "log_every_s": 1}})
         caplog.set_level("DEBUG")
         result = op.execute({})
         auth = set(px.auth_headers)
@@ -245,7 +247,7 @@ def test_operator_remote_mode_key_from_connection(llama_server, smollm2_path, tm
     from airflow.sdk import DAG
 
     with DAG("dg_map_test", schedule=None):
-        mapped = DatagenOperator.partial(task_id="datagen", output_dir="/o", tokenizer_path="/m", conn_id="c").expand(
+        mapped = DatagenOperator.partial(task_id="datagen", config={"output_dir": "/o", "tokenizer_path": "/m"}).expand(
             dataset=[{"name": "A1", "prompt_file": "a"}, {"name": "B1", "prompt_file": "b"}])
     assert mapped.expand_input.value["dataset"][1]["name"] == "B1"
 
@@ -255,8 +257,9 @@ def test_operator_local_mode_starts_and_stops_the_server(smollm2_path, smollm2_g
 
     f = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "Say hi."}, {"prompt": "Say yes."}])
     op = DatagenOperator(task_id="datagen", dataset={"name": "L", "prompt_file": str(f), "max_tokens": 8},
-                         output_dir=str(tmp_path), tokenizer_path=str(smollm2_path), mode="local", model="smollm2",
-                         server_command=llama_server_command(), gguf=str(smollm2_gguf), server_ready_timeout_s=60)
+                         config={"output_dir": str(tmp_path), "tokenizer_path": str(smollm2_path), "mode": "local",
+                                 "served_model_name": "smollm2", "server_command": llama_server_command(),
+                                 "gguf": str(smollm2_gguf), "server_ready_timeout_s": 60})
     caplog.set_level("INFO")
     result = op.execute({})
     assert result["rows"] + sum(result["dropped"].values()) == 2 and not result["skipped"]
