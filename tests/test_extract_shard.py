@@ -443,9 +443,9 @@ def test_compiled_backend_equals_eager_and_compiles_once_for_all_layers(dataset,
     out = extract_shard(config(smollm2_path, tmp_path, compile=True), spec)
     assert out["complete"] and out["tokens"] == spec.tokens
     got = {s.row: s for s in HiddenStateReader([Path(out["shard_dir"])], verify=True)}
-    for row, (aux, final) in enumerate(reference):
-        torch.testing.assert_close(got[row].aux_hidden, aux, rtol=1e-4, atol=1e-4)
-        torch.testing.assert_close(got[row].final_hidden, final, rtol=1e-4, atol=1e-4)
+    for row, (aux, final) in enumerate(reference):  # compiled kernels sum in another order: see the fused test
+        torch.testing.assert_close(got[row].aux_hidden, aux, rtol=1e-4, atol=5e-4)
+        torch.testing.assert_close(got[row].final_hidden, final, rtol=1e-4, atol=5e-4)
     # graphs: the layer (traced for the first shape, then once more with dynamic sizes at most) + the norm
     assert 2 <= counters["stats"]["unique_graphs"] <= 4, dict(counters["stats"])
 

@@ -16,7 +16,6 @@ import time
 import uuid
 from pathlib import Path
 
-import numpy as np
 import pyarrow.compute as pc
 
 from eagle3.io import MANIFEST_NAME, PhaseOutput, atomic_write_json, fingerprint, read_json, sha256_file
