@@ -1,8 +1,8 @@
 """Shard plan: split the merged dataset into N shards of about equal token counts.
 
 The merge phase writes `part-*.parquet` files and a manifest (contract 2, read only through
-eagle3.merge.dataset). A sample's global row index is its position when the files are read in manifest order. A shard is a
-contiguous range of global rows, cut where the running token count crosses k * T / N, so
+eagle3.merge.dataset). A sample's global row index is its position when the files are read in manifest
+order. A shard is a contiguous range of global rows, cut where the running token count crosses k * T / N, so
 shards differ by at most one sample's tokens. Contiguous ranges keep a shard cheap to read
 (a few row ranges of a few files). The merge phase already shuffled the rows, so contiguous
 ranges do not bias the length mix of a shard.
