@@ -52,8 +52,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import eagle3.extract.format as chunk_format  # noqa: E402
-from eagle3.extract.extractor import BACKENDS, ExtractConfig, ShardExtractor  # noqa: E402
+from eagle3.extract.config import ExtractConfig, ShardPlanConfig  # noqa: E402
+from eagle3.extract.extractor import BACKENDS, ShardExtractor  # noqa: E402
 from eagle3.extract.format import _start_writeback  # noqa: E402
+from eagle3.extract.pipeline import ChunkPipeline  # noqa: E402
 from eagle3.extract.plan import plan_shards  # noqa: E402
 from eagle3.extract.synthetic import write_merged_dataset  # noqa: E402
 
@@ -215,17 +217,21 @@ def run_naive(model, samples, layers, device, out_dir: Path, seconds: float) -> 
     return {"tokens": tokens, "samples": i, "seconds": round(dt, 3), "tok_per_s": tokens / dt}
 
 
-class WriterWaitsForItsCommit(ShardExtractor):
+class PipelineWriterWaits(ChunkPipeline):
     """The baseline of the commit path (until 2026-12-03, fifth session): a writer thread, once its chunk's file
     was complete, held itself until the chunks before it were committed and then committed its own, so one slow
     fsync left the writers of the chunks after it idle. Now they hand the chunk to the committer thread and take
-    the next one; this subclass waits where the old writer waited."""
+    the next one; this pipeline waits where the old writer waited."""
 
-    def _hand_off(self, ci, rec):
-        super()._hand_off(ci, rec)
+    def hand_off(self, ci, rec):
+        super().hand_off(ci, rec)
         with self._lock:
-            while self._next_commit <= ci and self._error is None:
+            while self.next_commit <= ci and self._error is None:
                 self._lock.wait()
+
+
+class WriterWaitsForItsCommit(ShardExtractor):
+    pipeline_class = PipelineWriterWaits
 
 
 @contextlib.contextmanager
@@ -260,7 +266,7 @@ def run_extractor(model, model_path, samples, layers, device, dtype_name, work: 
     merge = work / "merge"
     shutil.rmtree(work, ignore_errors=True)
     write_merged_dataset(merge, samples, rows_per_file=512)
-    spec = plan_shards(merge, 1)[0]
+    spec = plan_shards(ShardPlanConfig(str(merge), 1))[0]
     c = model.config
     mc = {"num_layers": c.num_hidden_layers, "hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size}
     cfg = ExtractConfig(model_path=model_path, extract_dir=str(work / "out"), capture_layers=layers,

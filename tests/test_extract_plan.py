@@ -4,8 +4,13 @@ import numpy as np
 import pytest
 
 from eagle3.errors import ConfigError, PipelineError
-from eagle3.extract.plan import ShardSpec, plan_shards
+from eagle3.extract.config import ShardPlanConfig
+from eagle3.extract.plan import ShardSpec, load_shard_data, plan_shards
 from eagle3.extract.synthetic import write_merged_dataset
+
+
+def plan(merge_dir, num_shards: int):
+    return plan_shards(ShardPlanConfig(str(merge_dir), num_shards))
 
 
 def test_plan_balances_tokens_and_covers_every_row_once(tmp_path):
@@ -14,7 +19,7 @@ def test_plan_balances_tokens_and_covers_every_row_once(tmp_path):
     lengths = np.where(rng.random(500) < 0.05, rng.integers(500, 2000, 500), rng.integers(5, 60, 500))
     samples = [list(range(int(n))) for n in lengths]
     m = write_merged_dataset(tmp_path, samples, rows_per_file=77)
-    specs = plan_shards(tmp_path, 7)
+    specs = plan(tmp_path, 7)
     assert len(specs) == 7
     json.dumps([s.to_dict() for s in specs])  # a valid XCom
     assert sum(s.tokens for s in specs) == m["tokens"]
@@ -39,7 +44,7 @@ def test_plan_beats_row_balancing(tmp_path):
     # the long samples sit at the start: equal row counts would give shard 0 most of the tokens
     samples = [[1] * 1000] * 10 + [[1] * 10] * 990
     write_merged_dataset(tmp_path, samples, rows_per_file=300)
-    specs = plan_shards(tmp_path, 4)
+    specs = plan(tmp_path, 4)
     toks = [s.tokens for s in specs]
     assert max(toks) - min(toks) <= 1000
     assert specs[0].rows < 20 < specs[-1].rows
@@ -47,27 +52,29 @@ def test_plan_beats_row_balancing(tmp_path):
 
 def test_plan_errors_name_the_problem(tmp_path):
     with pytest.raises(PipelineError, match="merge manifest is missing"):
-        plan_shards(tmp_path, 2)
+        plan(tmp_path, 2)
     write_merged_dataset(tmp_path, [[1, 2, 3]] * 3)
     with pytest.raises(ConfigError, match="num_shards=4 is more than the 3 rows"):
-        plan_shards(tmp_path, 4)
-    with pytest.raises(ConfigError, match="num_shards must be a positive int"):
-        plan_shards(tmp_path, 0)
+        plan(tmp_path, 4)
+    with pytest.raises(ConfigError, match="plan_shards param num_shards must be >= 1 and <= 4096, got 0"):
+        plan(tmp_path, 0)
     m = json.loads((tmp_path / "manifest.json").read_text())
     m["files"][0]["tokens"] = 10
     (tmp_path / "manifest.json").write_text(json.dumps(m))
     with pytest.raises(PipelineError, match="part-00000.parquet: 9 tokens, merge manifest says 10"):
-        plan_shards(tmp_path, 2)
+        plan(tmp_path, 2)
     m["complete"] = False
     (tmp_path / "manifest.json").write_text(json.dumps(m))
     with pytest.raises(PipelineError, match="not complete"):
-        plan_shards(tmp_path, 2)
+        plan(tmp_path, 2)
 
 
 def test_plan_and_loader_read_the_real_merge_output(tmp_path):
     """Contract 2 end to end: datagen-style JSONL -> the real merge phase -> shard plan -> shard data."""
-    from eagle3.extract.extractor import load_shard_data
+    import pyarrow.parquet as pq
+
     from eagle3.merge.config import MergeConfig
+    from eagle3.merge.dataset import PART_SCHEMA
     from eagle3.merge.run import run_merge
 
     rng = np.random.default_rng(5)
@@ -82,7 +89,11 @@ def test_plan_and_loader_read_the_real_merge_output(tmp_path):
                 f.write(json.dumps({"sample_id": f"{ds}-{i}", "dataset": ds, "input_ids": ids, "loss_mask": mask}) + "\n")
     run_merge(MergeConfig(inputs=[str(tmp_path / "datagen")], output_dir=str(tmp_path / "merged"), num_files=3))
     manifest = json.loads((tmp_path / "merged" / "manifest.json").read_text())
-    specs = plan_shards(tmp_path / "merged", 3)
+    # one schema: what merge writes, what the test fixture writes and what the readers expect
+    write_merged_dataset(tmp_path / "synthetic", [[1, 2, 3]])
+    for part in [*(tmp_path / "merged").glob("part-*.parquet"), tmp_path / "synthetic" / "part-00000.parquet"]:
+        assert pq.read_schema(part).remove_metadata() == PART_SCHEMA
+    specs = plan(tmp_path / "merged", 3)
     assert sum(s.tokens for s in specs) == manifest["tokens"] and sum(s.rows for s in specs) == manifest["rows"]
     rows = []
     for s in specs:

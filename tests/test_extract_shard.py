@@ -1,6 +1,7 @@
 """The shard extractor on the CPU with the real SmolLM2-135M-Instruct."""
 
 import json
+import logging
 import os
 import shutil
 import signal
@@ -15,19 +16,25 @@ import pytest
 import torch
 
 from eagle3.errors import ConfigError
-from eagle3.extract.extractor import FAULT_ENV, ExtractConfig, ExtractOOMError, InjectedFault, extract_shard
+from eagle3.extract.batches import AUTO_PAD_MULTIPLE, padded_length, plan_batches
+from eagle3.extract.config import ExtractConfig, ShardPlanConfig
+from eagle3.extract.extractor import ExtractOOMError, extract_shard, resolve_for_device
 from eagle3.extract.format import CorruptChunkError, ShardManifest
-from eagle3.extract.plan import plan_shards
+from eagle3.extract.plan import load_shard_data, plan_shards
 from eagle3.extract.reader import HiddenStateReader
 from eagle3.extract.reference import reference_states
 from eagle3.extract.synthetic import write_merged_dataset
+from eagle3.faults import ENV_VAR as FAULT_ENV, InjectedFault
 
 ROOT = Path(__file__).resolve().parents[1]
-LAYERS = [0, 2, 15, 27]  # embeddings, low, mid, high (HF hidden_states indices)
-# fp32 on CPU: 4 x 576 x 4 bytes = 9.2 KB a token, so chunk_mb=0.1 gives chunks of <= 11 tokens
-# (a chunk is never smaller than one batch); the budget of 24 padded tokens batches 2-6 samples
+LAYERS = [1, 2, 15, 27]  # low to high (HF hidden_states indices)
+# fp32 on CPU: 5 x 576 x 4 bytes = 11.5 KB a token, so chunk_mb=0.1 gives chunks of <= 9 tokens
+# (a chunk is never smaller than one batch: here every batch is a chunk); the samples are 129..150 tokens, so
+# the least budget (256) runs each alone and a budget of 300 padded tokens batches two of unequal length
 CHUNK_MB = 0.1
-BUDGET = 24
+BUDGET = 256
+BATCHED = 300
+LENGTHS = [140, 129, 150, 133]
 
 
 def chunk_bytes(shard_dir: Path) -> dict:
@@ -36,14 +43,15 @@ def chunk_bytes(shard_dir: Path) -> dict:
 
 @pytest.fixture(scope="module")
 def dataset(tmp_path_factory, smollm2_tokenizer):
-    """A small merged dataset of real text (two files), lengths 2..~12 tokens: kept tiny for the 2-core CI."""
+    """A small merged dataset of real text (two files), LENGTHS tokens: kept small for the 2-core CI."""
     tok = smollm2_tokenizer
-    texts = ["Hi", "What is 2+2?", "Name three colors of the rainbow.", "ok", "Why is the sky blue?",
-             "Translate 'good morning' to French.", "Count to five, then stop.", "The sea and the wind."]
-    samples = [[1] + tok(t)["input_ids"] + [2] for t in texts]  # <|im_start|> ... <|im_end|>
+    text = " ".join(["Hi", "What is 2+2?", "Name three colors of the rainbow.", "ok", "Why is the sky blue?",
+                     "Translate 'good morning' to French.", "Count to five, then stop.", "The sea and the wind."] * 12)
+    words = tok(text)["input_ids"]
+    samples = [[1] + words[7 * i:7 * i + n - 2] + [2] for i, n in enumerate(LENGTHS)]  # <|im_start|> ... <|im_end|>
     masks = [[0] * (len(ids) // 2) + [1] * (len(ids) - len(ids) // 2) for ids in samples]
     d = tmp_path_factory.mktemp("merge")
-    write_merged_dataset(d, samples, rows_per_file=5, loss_masks=masks)
+    write_merged_dataset(d, samples, rows_per_file=3, loss_masks=masks)
     return d, samples, masks
 
 
@@ -55,7 +63,7 @@ def reference(dataset, smollm2_model):
 
 @pytest.fixture(scope="module")
 def spec(dataset):
-    return plan_shards(dataset[0], 1)[0]
+    return plan_shards(ShardPlanConfig(str(dataset[0]), 1))[0]
 
 
 def config(smollm2_path, out, **kw):
@@ -71,6 +79,39 @@ def batched(tmp_path_factory, smollm2_path, spec):
     return out / "shard-00000", summary
 
 
+TINY_SHAPE = {"num_layers": 4, "hidden_size": 64, "intermediate_size": 128}
+
+
+@pytest.fixture(scope="module")
+def tiny_model():
+    """A random 4-layer Llama: the write pipeline's tests need chunks, not the real model's compute (a chunk of
+    130+ tokens through SmolLM2 takes seconds on a loaded 2-core machine, against a few ms here)."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=49152)
+    return AutoModelForCausalLM.from_config(cfg).eval()
+
+
+def tiny_run(tiny_model, spec, out, **kw):
+    """extract_shard with the tiny model: 4 x 64 fp32 values a token, so chunk_mb=0.1 gives chunks of <= 101
+    tokens: every batch is a chunk."""
+    from eagle3.extract.backend import HFBackend
+
+    cfg = ExtractConfig(**{"model_path": "tiny", "extract_dir": str(out), "capture_layers": [1, 2, 3],
+                           "device": "cpu", "dtype": "float32", "token_budget": BUDGET, "chunk_mb": CHUNK_MB,
+                           "writer_threads": 2, **kw})
+    return extract_shard(cfg, spec, backend=HFBackend(model=tiny_model), model_config=TINY_SHAPE)
+
+
+@pytest.fixture(scope="module")
+def tiny_done(tmp_path_factory, tiny_model, spec):
+    out = tmp_path_factory.mktemp("tiny")
+    summary = tiny_run(tiny_model, spec, out)
+    return out / "shard-00000", summary
+
+
 def test_states_equal_output_hidden_states_batched_and_unbatched(batched, dataset, spec, smollm2_path,
                                                                  reference, tmp_path):
     _, samples, masks = dataset
@@ -78,10 +119,10 @@ def test_states_equal_output_hidden_states_batched_and_unbatched(batched, datase
     assert summary["complete"] and summary["tokens"] == spec.tokens
     # the wall time outside the steady state, as the summary splits it
     assert 0 < summary["setup_s"] < summary["seconds"] and 0 < summary["tail_s"] < summary["seconds"]
-    # token_budget=1: every sample alone, no padding
-    single = extract_shard(config(smollm2_path, tmp_path, token_budget=1), spec)
-    assert single["tokens"] == spec.tokens
-    for d in (shard_dir, Path(single["shard_dir"])):
+    # the fixture's token_budget=256 runs every sample (129..150 tokens) alone, no padding; this one batches
+    batched2 = extract_shard(config(smollm2_path, tmp_path, token_budget=BATCHED), spec)
+    assert batched2["tokens"] == spec.tokens
+    for d in (shard_dir, Path(batched2["shard_dir"])):
         got = {s.row: s for s in HiddenStateReader([d], verify=True)}
         assert sorted(got) == list(range(len(samples)))
         for row, ids in enumerate(samples):
@@ -93,31 +134,29 @@ def test_states_equal_output_hidden_states_batched_and_unbatched(batched, datase
                                            rtol=1e-4, atol=1e-4)
             torch.testing.assert_close(s.final_hidden, final, rtol=1e-4, atol=1e-4)
     # the batched run really batched (several samples, unequal lengths, in one forward: padding)
-    from eagle3.extract.extractor import load_shard_data, plan_batches
-
     data = load_shard_data(spec)
-    batches = [b for c in plan_batches(data.lengths, data.rows, BUDGET, 11) for b in c]
+    batches = [b for c in plan_batches(data.lengths, data.rows, BATCHED, 9) for b in c]
     assert any(len(b) > 1 and len(set(data.lengths[b])) > 1 for b in batches)
     assert len(ShardManifest.load(shard_dir).chunks) >= 3
 
 
-def test_fault_hook_fails_once_then_resume_is_byte_identical(batched, spec, smollm2_path, tmp_path, monkeypatch):
+def test_fault_hook_fails_once_then_resume_is_byte_identical(tiny_done, tiny_model, spec, tmp_path, monkeypatch):
     once = tmp_path / "failed-once"
     monkeypatch.setenv(FAULT_ENV, f"shard=0,after_chunks=1,once_file={once}")
     with pytest.raises(InjectedFault, match="shard 0 after 1 committed chunks"):
-        extract_shard(config(smollm2_path, tmp_path / "out"), spec)
+        tiny_run(tiny_model, spec, tmp_path / "out")
     m = ShardManifest.load(tmp_path / "out" / "shard-00000")
     assert len(m.chunks) == 1 and not m.complete and once.exists()
-    resumed = extract_shard(config(smollm2_path, tmp_path / "out"), spec)  # once_file exists: no fault
+    resumed = tiny_run(tiny_model, spec, tmp_path / "out")  # once_file exists: no fault
     assert resumed["resumed_from_chunk"] == 1 and resumed["complete"]
-    assert chunk_bytes(tmp_path / "out" / "shard-00000") == chunk_bytes(batched[0])
+    assert chunk_bytes(tmp_path / "out" / "shard-00000") == chunk_bytes(tiny_done[0])
 
 
-def test_writers_do_not_wait_for_earlier_chunks_to_commit(batched, spec, smollm2_path, tmp_path, monkeypatch):
+def test_writers_do_not_wait_for_earlier_chunks_to_commit(tiny_done, tiny_model, spec, tmp_path, monkeypatch):
     """Chunk 0's write stalls until chunk 2's file exists: the other writer must write chunks 1 and 2 meanwhile
     (a writer that held itself until its chunk's turn to commit would sit on chunk 1 and chunk 2 would never
     start). The manifest still lists the chunks in order and the files equal an ordinary run's."""
-    import eagle3.extract.extractor as ex
+    import eagle3.extract.pipeline as ex
 
     out = tmp_path / "out" / "shard-00000"
     real_write, seen = ex.write_chunk, {}
@@ -132,20 +171,23 @@ def test_writers_do_not_wait_for_earlier_chunks_to_commit(batched, spec, smollm2
         return real_write(shard_dir, index, tensors, metadata=metadata)
 
     monkeypatch.setattr(ex, "write_chunk", write_chunk)
-    summary = extract_shard(config(smollm2_path, tmp_path / "out", writer_threads=2), spec)
+    summary = tiny_run(tiny_model, spec, tmp_path / "out", writer_threads=2)
     assert seen == {"chunk 2 written while chunk 0 was in flight": True}
     m = ShardManifest.load(out)
     assert summary["complete"] and [c.file for c in m.chunks] == [f"chunk-{i:06d}.safetensors" for i in range(len(m.chunks))]
-    assert chunk_bytes(out) == chunk_bytes(batched[0])
+    assert chunk_bytes(out) == chunk_bytes(tiny_done[0])
 
 
-def test_summary_says_when_the_writers_bound_the_run(spec, smollm2_path, tmp_path, monkeypatch):
+def test_summary_says_when_the_writers_bound_the_run(spec, tiny_model, tmp_path, monkeypatch):
     """A writer that takes 1.5 s a chunk (a slow disk) holds the compute thread back: the summary shows it waiting
-    for host buffers and the writer busy most of the wall time; with the real writer it waits far less. (The
-    sleep is long against a chunk's compute, which on a loaded 2-core CI machine was up to 0.5 s.)"""
-    import eagle3.extract.extractor as ex
+    for host buffers and the writer busy most of the wall time; with the real writer (a forward of 0.2 s a chunk)
+    it waits far less."""
+    import eagle3.extract.pipeline as ex
+    from eagle3.extract.backend import HFBackend
 
-    fast = extract_shard(config(smollm2_path, tmp_path / "fast", writer_threads=1), spec)
+    real_capture = HFBackend.capture  # a forward of 0.2 s: the tiny model's own is too quick to bind anything
+    monkeypatch.setattr(HFBackend, "capture", lambda self, ids: time.sleep(0.2) or real_capture(self, ids))
+    fast = tiny_run(tiny_model, spec, tmp_path / "fast", writer_threads=1)
     real_write = ex.write_chunk
 
     def slow_write(*a, **kw):
@@ -153,7 +195,7 @@ def test_summary_says_when_the_writers_bound_the_run(spec, smollm2_path, tmp_pat
         return real_write(*a, **kw)
 
     monkeypatch.setattr(ex, "write_chunk", slow_write)
-    slow = extract_shard(config(smollm2_path, tmp_path / "slow", writer_threads=1), spec)
+    slow = tiny_run(tiny_model, spec, tmp_path / "slow", writer_threads=1)
     assert slow["chunks"] == fast["chunks"] >= 3
     # one writer, two host buffers on the CPU: after the first two chunks each one waits for a write
     assert slow["compute_waited_for_writers_s"] > 0.5 * (slow["chunks"] - 2)
@@ -175,7 +217,8 @@ KILL_CHILD = textwrap.dedent("""
         return real_fsync(fd)
 
     os.fsync = fsync
-    from eagle3.extract.extractor import ExtractConfig, extract_shard
+    from eagle3.extract.config import ExtractConfig
+    from eagle3.extract.extractor import extract_shard
     import json
     cfg = ExtractConfig(**json.loads({cfg!r}))
     extract_shard(cfg, json.loads({spec!r}))
@@ -213,26 +256,21 @@ def test_sigkill_during_chunk_write_then_rerun_gives_identical_files(batched, sp
     assert [c.sha256 for c in ShardManifest.load(shard).chunks] == [c.sha256 for c in ShardManifest.load(batched[0]).chunks]
 
 
-def test_finished_shard_rerun_is_a_noop_through_the_operators(batched, dataset, spec, smollm2_path):
-    from operators.extract import ExtractShardOperator, PlanShardsOperator
-
-    specs = PlanShardsOperator(task_id="plan", merge_dir=str(dataset[0]), num_shards=1).execute({})
-    assert specs == [spec.to_dict()]
+def test_finished_shard_rerun_is_a_noop_and_only_state_params_are_refused(batched, spec, smollm2_path):
+    """A finished shard re-run loads no model; a plan or runtime param that differs does not block it (the stored
+    states are the same); a state param that differs is refused, naming it with both values, nothing overwritten."""
     shard_dir, first = batched
     before = {p.name: p.stat().st_mtime_ns for p in shard_dir.iterdir()}
-    # templated values arrive as strings: the operator parses them back
-    op = ExtractShardOperator(task_id="extract", shard=str(specs[0]), model_path=str(smollm2_path),
-                              extract_dir=str(shard_dir.parent), capture_layers=str(LAYERS), dtype="float32",
-                              token_budget=BUDGET, chunk_mb=CHUNK_MB, device="cpu")
-    t = time.perf_counter()
-    out = op.execute({})
-    assert time.perf_counter() - t < 5  # no model load, no forward
-    json.dumps(out)
-    assert out["skipped"] and out["chunks"] == first["chunks"] and out["tokens"] == first["tokens"]
+    for kw in ({}, {"token_budget": BATCHED, "chunk_mb": 5, "pad_multiple": 8, "writer_threads": 1, "log_every_s": 1}):
+        t = time.perf_counter()
+        out = extract_shard(config(smollm2_path, shard_dir.parent, **kw), spec)
+        assert time.perf_counter() - t < 5  # no model load, no forward
+        json.dumps(out)
+        assert out["skipped"] and out["chunks"] == first["chunks"] and out["tokens"] == first["tokens"]
     assert {p.name: p.stat().st_mtime_ns for p in shard_dir.iterdir()} == before
-    # other params on an existing shard: refused, nothing overwritten
-    with pytest.raises(ConfigError, match="extracted with other params"):
-        extract_shard(config(smollm2_path, shard_dir.parent, token_budget=BUDGET * 2), spec)
+    with pytest.raises(ConfigError, match=r"chunks are committed with storage_dtype='float32', this run has "
+                                          r"storage_dtype='float8_e4m3fn'.*delete .*shard-00000"):
+        extract_shard(config(smollm2_path, shard_dir.parent, storage_dtype="float8_e4m3fn"), spec)
     assert {p.name: p.stat().st_mtime_ns for p in shard_dir.iterdir()} == before
 
 
@@ -256,18 +294,72 @@ def test_corrupt_chunk_is_detected_and_reextracted(batched, spec, smollm2_path, 
         list(HiddenStateReader([shard]))
 
 
-def test_wrong_layer_and_oversized_budget_give_clear_errors(spec, smollm2_path, tmp_path):
-    with pytest.raises(ConfigError, match=r"capture layer 30 does not exist .* 30 decoder layers.* 0\.\.29"):
+def test_wrong_layer_and_dtype_give_clear_errors(spec, smollm2_path, tmp_path):
+    with pytest.raises(ConfigError, match=r"capture layer 30 is out of range .* 30 decoder layers.* 1\.\.29"):
         extract_shard(config(smollm2_path, tmp_path, capture_layers=[2, 30]), spec)
-    with pytest.raises(ConfigError, match="capture layer -1 does not exist"):
+    with pytest.raises(ConfigError, match="capture layer -1 is out of range"):
         extract_shard(config(smollm2_path, tmp_path, capture_layers=[-1]), spec)
+    with pytest.raises(ConfigError, match="dtype='float16' is not supported on cpu"):
+        extract_shard(config(smollm2_path, tmp_path / "f16", dtype="float16"), spec)
+
+
+def test_out_of_memory_then_a_smaller_token_budget_succeeds(tiny_done, tiny_model, spec, tmp_path):
+    """Doing what the out-of-memory error says works: the failed attempt committed nothing, so the retry with a
+    smaller token_budget in the same folder is not refused, and its chunks are the ordinary run's."""
     # a budget whose activations cannot fit in this machine's free memory: caught before any work
     with pytest.raises(ExtractOOMError, match=r"token_budget=100000000 needs about .* GB but only .* GB is free "
                                                r"on cpu: set a smaller token_budget .* e\.g\. token_budget=\d+"):
-        extract_shard(config(smollm2_path, tmp_path, token_budget=100_000_000), spec)
+        tiny_run(tiny_model, spec, tmp_path, token_budget=100_000_000)
     assert not list((tmp_path / "shard-00000").glob("chunk-*"))
-    with pytest.raises(ConfigError, match="dtype='float16' is not supported on cpu"):
-        extract_shard(config(smollm2_path, tmp_path / "f16", dtype="float16"), spec)
+    out = tiny_run(tiny_model, spec, tmp_path)
+    assert out["complete"] and not out["skipped"] and out["tokens"] == spec.tokens
+    assert chunk_bytes(tmp_path / "shard-00000") == chunk_bytes(tiny_done[0])
+
+
+def test_resume_with_another_token_budget_extracts_every_sample_once(tiny_done, tiny_model, spec, tmp_path,
+                                                                    monkeypatch):
+    """Killed after one chunk, resumed with another token_budget: the committed chunk is kept, the rest is
+    planned with the new budget (recorded in the manifest), every sample lands exactly once and its states equal
+    an uninterrupted run's. A state param that differs is refused on the partial shard too, naming it."""
+    monkeypatch.setenv(FAULT_ENV, f"shard=0,after_chunks=1,once_file={tmp_path / 'failed-once'}")
+    with pytest.raises(InjectedFault):
+        tiny_run(tiny_model, spec, tmp_path / "out")
+    shard = tmp_path / "out" / "shard-00000"
+    committed = ShardManifest.load(shard).chunks
+    assert len(committed) == 1
+    with pytest.raises(ConfigError, match=r"1 chunks are committed with capture_layers=\[1, 2, 3\], this "
+                                          r"run has capture_layers=\[2, 3\]"):
+        tiny_run(tiny_model, spec, tmp_path / "out", capture_layers=[2, 3])
+    out = tiny_run(tiny_model, spec, tmp_path / "out", token_budget=BATCHED)
+    assert out["complete"] and out["resumed_from_chunk"] == 1 and out["tokens"] == spec.tokens
+    m = ShardManifest.load(shard)
+    # chunk 0: the longest sample alone (budget 256); then 140 + 133 in one batch (budget 300), 129 alone
+    assert m.chunks[0] == committed[0] and [c.samples for c in m.chunks] == [1, 2, 1]
+    assert [(s["from_chunk"], s["token_budget"]) for s in m.params["plans"]] == [(0, BUDGET), (1, BATCHED)]
+    rows = [s.row for s in HiddenStateReader([shard], verify=True)]
+    assert sorted(rows) == list(range(len(LENGTHS)))  # every sample exactly once
+    ref = {s.row: s for s in HiddenStateReader([tiny_done[0]])}
+    for s in HiddenStateReader([shard]):
+        torch.testing.assert_close(s.aux_hidden, ref[s.row].aux_hidden, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(s.final_hidden, ref[s.row].final_hidden, rtol=1e-4, atol=1e-4)
+    # a re-run with the first budget again: complete, same states, nothing to do
+    assert tiny_run(tiny_model, spec, tmp_path / "out")["skipped"]
+
+
+def test_progress_lines_come_every_log_every_s_and_at_every_commit(spec, tiny_model, tmp_path, monkeypatch, caplog):
+    """One chunk of four batches, each forward slowed to 0.3 s, log_every_s=0.5: rate/ETA lines come while the
+    chunk is computed, not only when it is committed; then one line per commit. The default is every 10 s."""
+    from eagle3.extract.backend import HFBackend
+
+    assert ExtractConfig(model_path="m", extract_dir="x").log_every_s == 10
+    real_capture = HFBackend.capture
+    monkeypatch.setattr(HFBackend, "capture", lambda self, ids: time.sleep(0.3) or real_capture(self, ids))
+    caplog.set_level(logging.INFO, logger="eagle3.extract")
+    out = tiny_run(tiny_model, spec, tmp_path, chunk_mb=100, log_every_s=0.5)
+    assert out["chunks"] == 1
+    lines = [r.getMessage() for r in caplog.records if "ETA" in r.getMessage()]
+    before_commit = lines[:next(i for i, line in enumerate(lines) if "chunk 0 committed" in line)]
+    assert len(before_commit) >= 2, lines
 
 
 def test_padding_batches_to_a_length_multiple_keeps_the_states(batched, spec, smollm2_path, reference, tmp_path,
@@ -286,10 +378,8 @@ def test_padding_batches_to_a_length_multiple_keeps_the_states(batched, spec, sm
     monkeypatch.setattr(HFBackend, "capture", capture)
     out = extract_shard(config(smollm2_path, tmp_path / "padded", pad_multiple=8), spec)
     assert out["complete"] and out["tokens"] == spec.tokens
-    from eagle3.extract.extractor import load_shard_data, padded_length, plan_batches
-
     data = load_shard_data(spec)
-    planned = [b for c in plan_batches(data.lengths, data.rows, BUDGET, 11, pad_multiple=8) for b in c]
+    planned = [b for c in plan_batches(data.lengths, data.rows, BUDGET, 9, pad_multiple=8) for b in c]
     assert shapes == [(len(b), padded_length(int(data.lengths[b].max()), 8)) for b in planned]
     assert all(L % 8 == 0 and B * L <= BUDGET for B, L in shapes)
     assert sum(B * L for B, L in shapes) > sum(B * int(data.lengths[b].max()) for b, (B, _) in zip(planned, shapes))
@@ -297,9 +387,9 @@ def test_padding_batches_to_a_length_multiple_keeps_the_states(batched, spec, sm
         aux, final = reference[s.row]
         torch.testing.assert_close(s.aux_hidden, aux, rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(s.final_hidden, final, rtol=1e-4, atol=1e-4)
-    with pytest.raises(ConfigError, match="extracted with other params"):
-        extract_shard(config(smollm2_path, batched[0].parent, pad_multiple=8), spec)
-    with pytest.raises(ConfigError, match="pad_multiple must be a positive int or auto, got 0"):
+    # a plan param: the finished shard without padding is not extracted again with it
+    assert extract_shard(config(smollm2_path, batched[0].parent, pad_multiple=8), spec)["skipped"]
+    with pytest.raises(ConfigError, match="extract param pad_multiple .*must be >= 1, got 0"):
         extract_shard(config(smollm2_path, tmp_path / "zero", pad_multiple=0), spec)
 
 
@@ -307,8 +397,6 @@ def test_auto_padding_bounds_batch_lengths_and_their_padding(tmp_path):
     """pad_multiple="auto" (the GPU default): lengths 256..8192 meet 145 padded lengths instead of 7,937, each
     within 1/16 of the longest sample, multiples of 64 from 1,024 tokens on; the CPU resolves auto to 1 (its
     kernels build nothing per shape); a rendered template ("16") parses to an int; anything else names the param."""
-    from eagle3.extract.extractor import AUTO_PAD_MULTIPLE, padded_length, plan_batches
-
     padded = {n: padded_length(n, "auto") for n in range(1, 8193)}
     assert all(n <= L and (L - n) * 16 < n for n, L in padded.items() if L != n)
     assert all(L == n for n, L in padded.items() if n < 32)  # too short to pad by under 1/16
@@ -323,12 +411,13 @@ def test_auto_padding_bounds_batch_lengths_and_their_padding(tmp_path):
     assert len({(len(b), padded_length(int(lengths[b].max()), "auto")) for b in batches}) <= 2 * 145
 
     base = dict(model_path="m", extract_dir=str(tmp_path))
-    assert ExtractConfig(**base, device="cpu").resolved().pad_multiple == 1
-    assert ExtractConfig(**base, device="cuda").resolved().pad_multiple == "auto"
-    assert ExtractConfig(**base, device="cpu", pad_multiple="16").resolved().pad_multiple == 16
+    assert resolve_for_device(ExtractConfig(**base, device="cpu")).pad_multiple == 1
+    assert resolve_for_device(ExtractConfig(**base, device="cuda")).pad_multiple == "auto"
+    assert ExtractConfig(**base, device="cpu", pad_multiple="16").pad_multiple == 16
     for bad in ("sixty", "-4", 0, True):
-        with pytest.raises(ConfigError, match=f"pad_multiple must be a positive int or auto, got {bad!r}"):
-            ExtractConfig(**base, device="cpu", pad_multiple=bad).resolved()
+        with pytest.raises(ConfigError, match=rf"extract param pad_multiple \(trigger-form param "
+                                              rf"extract_pad_multiple\) must .*got {bad!r}"):
+            ExtractConfig(**base, device="cpu", pad_multiple=bad)
 
 
 def test_fp8_storage_halves_bytes_and_stays_close(batched, spec, smollm2_path, reference, tmp_path):
@@ -354,9 +443,9 @@ def test_compiled_backend_equals_eager_and_compiles_once_for_all_layers(dataset,
     out = extract_shard(config(smollm2_path, tmp_path, compile=True), spec)
     assert out["complete"] and out["tokens"] == spec.tokens
     got = {s.row: s for s in HiddenStateReader([Path(out["shard_dir"])], verify=True)}
-    for row, (aux, final) in enumerate(reference):
-        torch.testing.assert_close(got[row].aux_hidden, aux, rtol=1e-4, atol=1e-4)
-        torch.testing.assert_close(got[row].final_hidden, final, rtol=1e-4, atol=1e-4)
+    for row, (aux, final) in enumerate(reference):  # compiled kernels sum in another order: see the fused test
+        torch.testing.assert_close(got[row].aux_hidden, aux, rtol=1e-4, atol=5e-4)
+        torch.testing.assert_close(got[row].final_hidden, final, rtol=1e-4, atol=5e-4)
     # graphs: the layer (traced for the first shape, then once more with dynamic sizes at most) + the norm
     assert 2 <= counters["stats"]["unique_graphs"] <= 4, dict(counters["stats"])
 
@@ -392,23 +481,26 @@ def test_compiled_graph_runs_the_pinned_kernel_after_another_kernel_filled_the_c
 
 def test_compile_param_resolves_per_device_and_rejects_junk(tmp_path):
     base = dict(model_path="m", extract_dir=str(tmp_path))
-    assert ExtractConfig(**base, device="cpu").resolved().compile is False
-    assert ExtractConfig(**base, device="cuda").resolved().compile is True
-    assert ExtractConfig(**base, device="cuda", compile="False").resolved().compile is False  # a rendered template
-    with pytest.raises(ConfigError, match="compile must be true, false or 'auto', got 'maybe'"):
-        ExtractConfig(**base, device="cpu", compile="maybe").resolved()
+    assert resolve_for_device(ExtractConfig(**base, device="cpu")).compile is False
+    assert resolve_for_device(ExtractConfig(**base, device="cuda")).compile is True
+    assert resolve_for_device(ExtractConfig(**base, device="cuda", compile="False")).compile is False  # rendered
+    with pytest.raises(ConfigError, match="extract param compile must be true, false or 'auto', got 'maybe'"):
+        ExtractConfig(**base, device="cpu", compile="maybe")
 
 
 @pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
 def test_fused_llama_backend_equals_output_hidden_states(dataset, spec, smollm2_path, reference, tmp_path, compile):
     """backend='fused-llama' (one GEMM for q/k/v, one for gate/up) captures what a plain HF forward returns,
-    batched with padding, eager and compiled."""
-    out = extract_shard(config(smollm2_path, tmp_path, backend="fused-llama", compile=compile), spec)
+    batched with padding, eager and compiled. (Compiled kernels sum in another order: over 130-150 tokens one fp32
+    value in 3e5 differed by 1.4e-4.)"""
+    out = extract_shard(config(smollm2_path, tmp_path, backend="fused-llama", compile=compile, token_budget=BATCHED),
+                        spec)
     assert out["complete"] and out["tokens"] == spec.tokens
     got = {s.row: s for s in HiddenStateReader([Path(out["shard_dir"])], verify=True)}
+    atol = 5e-4 if compile else 1e-4
     for row, (aux, final) in enumerate(reference):
-        torch.testing.assert_close(got[row].aux_hidden, aux, rtol=1e-4, atol=1e-4)
-        torch.testing.assert_close(got[row].final_hidden, final, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(got[row].aux_hidden, aux, rtol=1e-4, atol=atol)
+        torch.testing.assert_close(got[row].final_hidden, final, rtol=1e-4, atol=atol)
 
 
 @pytest.mark.parametrize("attention", ["math", "flash"])
@@ -439,11 +531,12 @@ def test_pinned_attention_kernel_runs_and_gives_the_same_states(dataset, spec, s
 
 def test_attention_param_rejects_unknown_and_cuda_only_kernels_on_cpu(tmp_path):
     base = dict(model_path="m", extract_dir=str(tmp_path), device="cpu")
-    with pytest.raises(ConfigError, match=r"attention='flash3': use one of \['auto', 'flash', 'cudnn'"):
-        ExtractConfig(**base, attention="flash3").resolved()
+    with pytest.raises(ConfigError, match=r"attention \(trigger-form param extract_attention\)='flash3': use one of "
+                                          r"\['auto', 'flash', 'cudnn'"):
+        ExtractConfig(**base, attention="flash3")
     with pytest.raises(ConfigError, match="attention='cudnn' needs a CUDA device, the run is on cpu"):
-        ExtractConfig(**base, attention="cudnn").resolved()
-    assert ExtractConfig(**{**base, "device": "cuda"}, attention="cudnn").resolved().attention == "cudnn"
+        resolve_for_device(ExtractConfig(**base, attention="cudnn"))
+    assert resolve_for_device(ExtractConfig(**{**base, "device": "cuda"}, attention="cudnn")).attention == "cudnn"
     # a pinned kernel that cannot run the call (flash on the CPU, 4 query heads over 2 KV heads without
     # enable_gqa) names the param instead of torch's bare "No available kernel"
     from eagle3.extract.backend import pinned_attention
@@ -466,14 +559,15 @@ def test_fused_llama_backend_refuses_other_architectures_by_name(tmp_path):
     with pytest.raises(ConfigError, match="backend 'fused-llama' cannot run model_type 'llama': attention "
                                           "projections have biases; hidden_act is 'gelu', not 'silu'"):
         FusedLlamaBackend(model=model).load("", "float32", "cpu", [1])
-    with pytest.raises(ConfigError, match=r"backend='tensorrt': use one of \['hf', 'fused-llama'\]"):
-        ExtractConfig(model_path="m", extract_dir=str(tmp_path), backend="tensorrt").resolved()
+    with pytest.raises(ConfigError, match=r"backend \(trigger-form param extract_backend\)='tensorrt': use one of "
+                                          r"\['hf', 'fused-llama'\]"):
+        ExtractConfig(model_path="m", extract_dir=str(tmp_path), backend="tensorrt")
 
 
 def test_host_buffer_pool_makes_buffers_only_when_all_are_in_use():
     import threading
 
-    from eagle3.extract.extractor import HostBufferPool
+    from eagle3.extract.pipeline import HostBufferPool
 
     made = []
     pool = HostBufferPool(3, lambda: time.sleep(0.02) or made.append(object()) or made[-1])
@@ -487,3 +581,19 @@ def test_host_buffer_pool_makes_buffers_only_when_all_are_in_use():
     assert pool.get(timeout=5) is b
     # the time accounts the summary reports: making (pinning) buffers, and waiting for writers to free one
     assert 0.06 <= pool.made_s < 1 and 0.1 <= pool.waited_s < 1
+
+
+def test_torch_free_choices_equal_what_the_torch_side_accepts():
+    """The trigger form offers the config's choices; each must be one the torch side runs, and none missing. The
+    config, the batch plan and the shard plan import no torch (the DAG and the run config import them)."""
+    from eagle3.extract import config as c
+    from eagle3.extract.backend import DTYPES, SDPA_KERNELS
+    from eagle3.extract.extractor import BACKENDS, STORAGE_DTYPES
+
+    assert c.ATTENTION_CHOICES == tuple(SDPA_KERNELS)
+    assert c.BACKEND_CHOICES == tuple(BACKENDS)
+    assert c.DTYPE_CHOICES == ("auto", *DTYPES)
+    assert c.STORAGE_DTYPE_CHOICES == ("auto", *STORAGE_DTYPES)
+    code = ("import sys; import eagle3.extract.config, eagle3.extract.batches, eagle3.extract.plan, "
+            "eagle3.merge.dataset; assert 'torch' not in sys.modules, 'torch imported'")
+    subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "PYTHONPATH": str(ROOT)})

@@ -61,7 +61,7 @@ def test_sigkill_then_rerun_equals_uninterrupted_run(tmp_path, point):
         pq.read_metadata(part)
     if point == "commit":
         # the old manifest was withdrawn before any part was replaced: nobody can read a mix
-        with pytest.raises(PipelineError, match="no merge manifest"):
+        with pytest.raises(PipelineError, match="merge manifest is missing"):
             read_merged(out)
     else:
         assert read_merged(out).rows == old["rows"] and read_all(out) == old_rows  # old output intact

@@ -68,6 +68,7 @@ class ShardManifest:
     rows: list[list[int]] = field(default_factory=list)  # planned [start, end) row ranges of the merged dataset
     chunks: list[ChunkRecord] = field(default_factory=list)
     complete: bool = False
+    fingerprint: str = ""  # of the params that define the stored states (io.PhaseOutput's skip rule)
     params: dict[str, Any] = field(default_factory=dict)
     format_version: int = FORMAT_VERSION
 

@@ -1,14 +1,14 @@
 """Shard plan: split the merged dataset into N shards of about equal token counts.
 
-The merge phase writes `part-*.parquet` files and a manifest (BRIEF contract 2). A sample's
-global row index is its position when the files are read in manifest order. A shard is a
-contiguous range of global rows, cut where the running token count crosses k * T / N, so
+The merge phase writes `part-*.parquet` files and a manifest (contract 2, read only through
+eagle3.merge.dataset). A sample's global row index is its position when the files are read in manifest
+order. A shard is a contiguous range of global rows, cut where the running token count crosses k * T / N, so
 shards differ by at most one sample's tokens. Contiguous ranges keep a shard cheap to read
 (a few row ranges of a few files). The merge phase already shuffled the rows, so contiguous
 ranges do not bias the length mix of a shard.
 
-Each shard spec is a small JSON-able dict: it is the XCom that `ExtractShardOperator.expand`
-maps over, and it is all an extraction task needs besides the model.
+Each shard spec is a small JSON-able dict: it is the XCom that the extraction task is mapped over,
+and it is all an extraction task needs besides the model; `load_shard_data` reads its rows.
 """
 
 from __future__ import annotations
@@ -18,8 +18,9 @@ from pathlib import Path
 
 import numpy as np
 
-from eagle3.errors import ConfigError, PipelineError
-from eagle3.io import MANIFEST_NAME, read_json
+from eagle3.errors import ConfigError
+from eagle3.extract.config import ShardPlanConfig
+from eagle3.merge.dataset import read_merged
 
 
 @dataclass
@@ -58,53 +59,41 @@ class ShardSpec:
         return [[r.global_row_start, r.global_row_start + r.row_end - r.row_start] for r in self.ranges]
 
 
-def read_merge_manifest(merge_dir: str | Path) -> dict:
-    merge_dir = Path(merge_dir)
-    path = merge_dir / MANIFEST_NAME
-    if not path.is_file():
-        raise PipelineError(f"{path}: merge manifest is missing (has the merge phase finished?)")
-    m = read_json(path)
-    if not m.get("complete"):
-        raise PipelineError(f"{path}: merge output is not complete (\"complete\" is not true)")
-    files = m.get("files")
-    if not isinstance(files, list) or not files:
-        raise PipelineError(f"{path}: \"files\" must be a non-empty list")
-    for i, f in enumerate(files):
-        for key in ("path", "rows", "tokens"):
-            if key not in f:
-                raise PipelineError(f"{path}: files[{i}] has no {key!r}")
-        if not (merge_dir / f["path"]).is_file():
-            raise PipelineError(f"{path}: files[{i}] names {f['path']}, which does not exist in {merge_dir}")
-    return m
+@dataclass
+class ShardData:
+    """A shard's samples in memory: flat token arrays plus offsets (int32 ids are 4 bytes a token)."""
+
+    input_ids: np.ndarray  # int32 [T]
+    loss_mask: np.ndarray  # uint8 [T]
+    offsets: np.ndarray  # int64 [n + 1]
+    rows: np.ndarray  # int64 [n] global row
+    lengths: np.ndarray  # int64 [n]
+
+    def sample(self, i: int) -> tuple[np.ndarray, np.ndarray]:
+        a, b = self.offsets[i], self.offsets[i + 1]
+        return self.input_ids[a:b], self.loss_mask[a:b]
 
 
-def read_lengths(merge_dir: str | Path, manifest: dict) -> list[np.ndarray]:
-    """The `length` column of every file, in manifest order (a cheap column read)."""
-    import pyarrow.parquet as pq
-
-    out = []
-    for f in manifest["files"]:
-        path = Path(merge_dir) / f["path"]
-        try:
-            col = pq.read_table(path, columns=["length"]).column("length")
-        except (OSError, KeyError, ValueError) as e:
-            raise PipelineError(f"{path}: cannot read column 'length': {e}") from e
-        lengths = col.to_numpy().astype(np.int64)
-        if len(lengths) != f["rows"]:
-            raise PipelineError(f"{path}: {len(lengths)} rows, merge manifest says {f['rows']}")
-        if int(lengths.sum()) != f["tokens"]:
-            raise PipelineError(f"{path}: {int(lengths.sum())} tokens, merge manifest says {f['tokens']}")
-        out.append(lengths)
-    return out
+def load_shard_data(spec: ShardSpec) -> ShardData:
+    """The shard's rows, read through the merged dataset's contract (eagle3.merge.dataset)."""
+    dataset = read_merged(spec.merge_dir)
+    parts = [dataset.token_rows(r.file, r.row_start, r.row_end) for r in spec.ranges]
+    lengths = np.concatenate([p.lengths for p in parts]) if parts else np.zeros(0, np.int64)
+    return ShardData(
+        input_ids=np.concatenate([p.input_ids for p in parts]) if parts else np.zeros(0, np.int32),
+        loss_mask=np.concatenate([p.loss_mask for p in parts]) if parts else np.zeros(0, np.uint8),
+        offsets=np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64),
+        rows=np.concatenate([np.arange(r.global_row_start, r.global_row_start + r.row_end - r.row_start)
+                             for r in spec.ranges]).astype(np.int64) if parts else np.zeros(0, np.int64),
+        lengths=lengths,
+    )
 
 
-def plan_shards(merge_dir: str | Path, num_shards: int) -> list[ShardSpec]:
+def plan_shards(cfg: ShardPlanConfig) -> list[ShardSpec]:
     """N shards of contiguous global rows with about T/N tokens each (never empty)."""
-    if isinstance(num_shards, bool) or not isinstance(num_shards, int) or num_shards < 1:
-        raise ConfigError(f"num_shards must be a positive int, got {num_shards!r}")
-    merge_dir = Path(merge_dir)
-    manifest = read_merge_manifest(merge_dir)
-    per_file = read_lengths(merge_dir, manifest)
+    merge_dir, num_shards = Path(cfg.merge_dir), cfg.num_shards
+    dataset = read_merged(merge_dir)
+    per_file = dataset.lengths()
     lengths = np.concatenate(per_file)
     n_rows = len(lengths)
     if num_shards > n_rows:
@@ -127,13 +116,13 @@ def plan_shards(merge_dir: str | Path, num_shards: int) -> list[ShardSpec]:
     for k in range(num_shards):
         g0, g1 = cuts[k], cuts[k + 1]
         ranges = []
-        for fi, f in enumerate(manifest["files"]):
+        for fi, f in enumerate(dataset.files):
             a, b = max(g0, int(file_starts[fi])), min(g1, int(file_starts[fi + 1]))
             if a < b:
                 off = int(file_starts[fi])
                 ranges.append(RowRange(file=f["path"], row_start=a - off, row_end=b - off, global_row_start=a))
         specs.append(ShardSpec(
             shard=k, num_shards=num_shards, merge_dir=str(merge_dir), ranges=ranges, rows=g1 - g0,
-            tokens=int(lengths[g0:g1].sum()), merge_fingerprint=str(manifest.get("fingerprint", "")),
+            tokens=int(lengths[g0:g1].sum()), merge_fingerprint=dataset.fingerprint,
         ))
     return specs

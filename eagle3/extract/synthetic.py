@@ -1,20 +1,22 @@
-"""Write a merged dataset in the merge phase's output format (BRIEF contract 2) from token lists.
+"""Write a merged dataset in the merge phase's output format (contract 2, eagle3.merge.dataset) from token lists.
 
 Used by the extraction tests and benchmark to build inputs without running the earlier phases;
-the files are exactly what the merge phase writes (parquet columns, manifest.json, stats.json).
+the files are what the merge phase writes (PART_SCHEMA parquet parts, stats.json, manifest.json last).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from eagle3.io import atomic_write_json, fingerprint, sha256_file
+from eagle3.io import PhaseOutput, atomic_write_json, fingerprint, sha256_file
 
 
 def write_merged_dataset(merge_dir: str | Path, samples: list[list[int]], rows_per_file: int = 1000,
                          loss_masks: list[list[int]] | None = None, dataset: str = "synthetic", seed: int = 0) -> dict:
     import pyarrow as pa
     import pyarrow.parquet as pq
+
+    from eagle3.merge.dataset import PART_SCHEMA, STATS_NAME, manifest_record, part_name
 
     merge_dir = Path(merge_dir)
     merge_dir.mkdir(parents=True, exist_ok=True)
@@ -24,21 +26,18 @@ def write_merged_dataset(merge_dir: str | Path, samples: list[list[int]], rows_p
     files = []
     for fi, a in enumerate(range(0, len(samples), rows_per_file)):
         part = samples[a:a + rows_per_file]
-        masks = loss_masks[a:a + rows_per_file]
         table = pa.table({
-            "sample_id": pa.array([f"{dataset}-{a + i}" for i in range(len(part))], pa.string()),
-            "dataset": pa.array([dataset] * len(part), pa.string()),
-            "input_ids": pa.array(part, pa.list_(pa.int32())),
-            "loss_mask": pa.array(masks, pa.list_(pa.int8())),
-            "length": pa.array([len(s) for s in part], pa.int32()),
-        })
-        name = f"part-{fi:05d}.parquet"
+            "sample_id": [f"{dataset}-{a + i}" for i in range(len(part))],
+            "dataset": [dataset] * len(part),
+            "input_ids": part,
+            "loss_mask": loss_masks[a:a + rows_per_file],
+            "length": [len(s) for s in part],
+        }, schema=PART_SCHEMA)
+        name = part_name(fi)
         pq.write_table(table, merge_dir / name)
         files.append({"path": name, "rows": len(part), "tokens": sum(len(s) for s in part),
                       "sha256": sha256_file(merge_dir / name)})
     params = {"source": "synthetic", "rows_per_file": rows_per_file}
-    manifest = {"complete": True, "files": files, "rows": len(samples), "tokens": sum(f["tokens"] for f in files),
-                "seed": seed, "params": params, "fingerprint": fingerprint([files, params])}
-    atomic_write_json(merge_dir / "stats.json", {"rows": manifest["rows"], "tokens": manifest["tokens"]})
-    atomic_write_json(merge_dir / "manifest.json", manifest)
-    return manifest
+    manifest = manifest_record(files, seed, params)
+    atomic_write_json(merge_dir / STATS_NAME, {"rows": manifest["rows"], "tokens": manifest["tokens"]})
+    return PhaseOutput(merge_dir, fingerprint([files, params])).commit(manifest)

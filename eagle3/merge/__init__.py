@@ -6,7 +6,7 @@
 """
 
 from eagle3.merge.config import MergeConfig
-from eagle3.merge.reader import MergedDataset, iter_rows, read_merged
+from eagle3.merge.dataset import MergedDataset, iter_rows, read_merged
 from eagle3.merge.run import run_merge
 from eagle3.merge.stats import BadInputError
 

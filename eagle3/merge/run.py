@@ -16,11 +16,11 @@ import time
 import uuid
 from pathlib import Path
 
-import numpy as np
 import pyarrow.compute as pc
 
-from eagle3.io import MANIFEST_NAME, atomic_write_json, fingerprint, read_json, sha256_file
+from eagle3.io import MANIFEST_NAME, PhaseOutput, atomic_write_json, fingerprint, read_json, sha256_file
 from eagle3.merge.config import MergeConfig
+from eagle3.merge.dataset import STATS_NAME, manifest_record
 from eagle3.merge.inputs import DatasetInput, discover_datasets
 from eagle3.merge.parse import BadLine, iter_parsed_blocks
 from eagle3.merge.shuffle import BucketSpill, bucket_bits_for, iter_sorted_buckets, prefetched
@@ -30,7 +30,6 @@ from eagle3.merge.writer import PartWriter
 
 log = logging.getLogger(__name__)
 
-STATS_NAME = "stats.json"
 FAILED_STATS_NAME = "stats.failed.json"
 TMP_PREFIX = ".merge-tmp-"
 MIN_JSON_BYTES_PER_TOKEN = 4  # "1,"+"0," is the least JSON a token can take: sizes buckets conservatively
@@ -41,22 +40,17 @@ def merge_fingerprint(cfg: MergeConfig, datasets: list[DatasetInput]) -> str:
     return fingerprint({"params": cfg.output_params(), "inputs": [d.identity() for d in datasets]})
 
 
-def completed_manifest(out_dir: Path, fp: str, verify: bool) -> dict | None:
-    """The existing manifest if it is complete, has this fingerprint, and its parts are intact."""
-    try:
-        m = read_json(out_dir / MANIFEST_NAME)
-    except (OSError, ValueError):
-        return None
-    if not (isinstance(m, dict) and m.get("complete") is True and m.get("fingerprint") == fp):
-        return None
+def parts_intact(out_dir: Path, manifest: dict, verify: bool) -> bool:
+    """May a complete manifest be trusted for a skip: stats.json is there and every part is (sha256 checked when
+    `verify`)?"""
     if not (out_dir / STATS_NAME).is_file():
-        return None
-    for f in m.get("files", []):
+        return False
+    for f in manifest.get("files", []):
         p = out_dir / f["path"]
         if not p.is_file() or (verify and sha256_file(p) != f["sha256"]):
             log.warning("merge: %s missing or changed since the manifest was written: merging again", p)
-            return None
-    return m
+            return False
+    return True
 
 
 def summary(out_dir: Path, manifest: dict, stats: dict, skipped: bool) -> dict:
@@ -80,10 +74,11 @@ def _keep_large_buffers_off_the_heap() -> None:
 def run_merge(cfg: MergeConfig) -> dict:
     out_dir = Path(cfg.output_dir)
     datasets = discover_datasets(cfg.inputs, cfg.include, cfg.exclude, cfg.require_datagen_complete)
-    fp = merge_fingerprint(cfg, datasets)
-    done = completed_manifest(out_dir, fp, cfg.verify_existing)
+    out = PhaseOutput(out_dir, merge_fingerprint(cfg, datasets))
+    done = out.completed(verify=lambda m: parts_intact(out_dir, m, cfg.verify_existing))
     if done is not None:
-        log.info("merge: %s is complete for these inputs and params (fingerprint %s): nothing to do", out_dir, fp)
+        log.info("merge: %s is complete for these inputs and params (fingerprint %s): nothing to do", out_dir,
+                 out.fingerprint)
         return summary(out_dir, done, read_json(out_dir / STATS_NAME), skipped=True)
 
     _keep_large_buffers_off_the_heap()
@@ -97,13 +92,14 @@ def run_merge(cfg: MergeConfig) -> dict:
     tmp.mkdir(parents=True)
     parts_tmp.mkdir(parents=True, exist_ok=True)
     try:
-        return _merge(cfg, datasets, fp, out_dir, tmp, parts_tmp)
+        return _merge(cfg, datasets, out, tmp, parts_tmp)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
         shutil.rmtree(parts_tmp, ignore_errors=True)
 
 
-def _merge(cfg, datasets, fp, out_dir: Path, tmp: Path, parts_tmp: Path) -> dict:
+def _merge(cfg, datasets, out: PhaseOutput, tmp: Path, parts_tmp: Path) -> dict:
+    out_dir = out.folder
     t0 = time.monotonic()
     stats = MergeStats(cfg.max_examples)
     total_bytes = sum(d.size for d in datasets)
@@ -183,9 +179,7 @@ def _merge(cfg, datasets, fp, out_dir: Path, tmp: Path, parts_tmp: Path) -> dict
                             "datagen_complete": d.datagen_complete} for d in datasets]
     stats_doc["timing"] = {"pass1_s": t1 - t0, "pass2_s": t2 - t1, "total_s": t2 - t0,
                            "input_tokens_per_s": stats_doc["tokens_in"] / max(1e-9, t2 - t0)}
-    manifest = {"complete": True, "files": files, "rows": rows_total, "tokens": tokens_total, "seed": cfg.seed,
-                "params": cfg.output_params(), "fingerprint": fp}
-    _commit(out_dir, parts_tmp, files, stats_doc, manifest)
+    manifest = _commit(out, parts_tmp, files, stats_doc, manifest_record(files, cfg.seed, cfg.output_params()))
     log.info("merge: wrote %d rows, %.2fM tokens in %d part(s) to %s in %.1f s (%.2fM tokens/s)%s", rows_total,
              tokens_total / 1e6, len(files), out_dir, t2 - t0, stats_doc["tokens_in"] / max(1e-9, t2 - t0) / 1e6,
              f"; extraction estimate {estimate['text']}" if estimate else "")
@@ -219,10 +213,11 @@ def _check_or_fail(stats: MergeStats, cfg: MergeConfig, out_dir: Path) -> None:
         raise
 
 
-def _commit(out_dir: Path, parts_tmp: Path, files: list[dict], stats_doc: dict, manifest: dict) -> None:
+def _commit(out: PhaseOutput, parts_tmp: Path, files: list[dict], stats_doc: dict, manifest: dict) -> dict:
     """Replace the output: drop the old manifest first (so no manifest ever lists a part that changed), rename
     the new parts in, remove parts of an older run, then stats.json, then manifest.json last."""
-    (out_dir / MANIFEST_NAME).unlink(missing_ok=True)
+    out_dir = out.folder
+    out.invalidate()
     names = {f["path"] for f in files}
     for name in sorted(names):
         os.replace(parts_tmp / name, out_dir / name)
@@ -231,4 +226,4 @@ def _commit(out_dir: Path, parts_tmp: Path, files: list[dict], stats_doc: dict, 
             old.unlink()
     (out_dir / FAILED_STATS_NAME).unlink(missing_ok=True)
     atomic_write_json(out_dir / STATS_NAME, stats_doc)
-    atomic_write_json(out_dir / MANIFEST_NAME, manifest)
+    return out.commit(manifest)

@@ -1,4 +1,5 @@
-"""Write rows, in the order given, into parquet parts of about `tokens_per_file` tokens each (contract 2).
+"""Write rows, in the order given, into parquet parts of about `tokens_per_file` tokens each (the schema and
+part names of contract 2: eagle3.merge.dataset).
 
 Writer settings are fixed here so the same rows always give the same bytes. Row groups hold about
 `row_group_tokens` tokens so a reader can seek to a row range without reading a whole part.
@@ -13,15 +14,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from eagle3.io import sha256_file
+from eagle3.merge.dataset import PART_SCHEMA, part_name
 
-PART_SCHEMA = pa.schema([("sample_id", pa.string()), ("dataset", pa.string()), ("input_ids", pa.list_(pa.int32())),
-                         ("loss_mask", pa.list_(pa.int8())), ("length", pa.int32())])
 PARQUET_OPTIONS = dict(compression="zstd", compression_level=1, use_dictionary=["dataset"], write_statistics=False,
                        version="2.6", data_page_version="1.0")
-
-
-def part_name(i: int) -> str:
-    return f"part-{i:05d}.parquet"
 
 
 class PartWriter:

@@ -1,0 +1,106 @@
+"""The extraction phase's params, each declared once (eagle3.knobs); torch-free, so the DAG and the run config
+import it without torch. What depends on the device (auto device, dtype, compile) is resolved on the torch side
+(eagle3.extract.extractor.resolve_for_device).
+
+The params fall in three kinds, which decide what a resumed shard may change (eagle3.extract.extractor):
+- STATE_PARAMS define the stored states: with chunks committed, another value is refused, naming the param;
+- PLAN_PARAMS only cut the work into batches and chunks: a resume keeps the committed chunks and plans the rest
+  with the new values (recorded in the shard manifest);
+- the rest are runtime-only and recorded in no fingerprint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass
+
+from eagle3.errors import ConfigError
+from eagle3.knobs import check_knobs, knob, knob_meta, param_label
+
+SECTION = "Extraction"
+DTYPE_CHOICES = ("auto", "bfloat16", "float16", "float32")
+FP8 = "float8_e4m3fn"  # optional storage: e4m3 values with one fp32 scale per token and layer
+STORAGE_DTYPE_CHOICES = (*DTYPE_CHOICES, FP8)
+BACKEND_CHOICES = ("hf", "fused-llama")
+ATTENTION_CHOICES = ("auto", "flash", "cudnn", "efficient", "math")
+STATE_PARAMS = ("model_path", "capture_layers", "dtype", "storage_dtype", "backend", "attention")
+PLAN_PARAMS = ("token_budget", "chunk_mb", "pad_multiple")
+
+
+@dataclass
+class ExtractConfig:
+    model_path: str = knob(help="The target model folder (HF format).")
+    extract_dir: str = knob(help="The folder that holds one shard-<k> folder per shard.")
+    capture_layers: list[int] | None = knob(
+        None, help="HF hidden_states indices to store, ascending, in 1..L-1; null = [2, L//2, L-3] "
+                   "(resolved by eagle3.models.resolve_capture_layers).")
+    device: str = knob("auto", pattern=r"^(auto|cpu|cuda(:[0-9]+)?)$",
+                       help="auto = cuda if available, else cpu.")
+    dtype: str = knob("auto", choices=DTYPE_CHOICES,
+                      help="Compute dtype; auto = bfloat16 on a GPU, float32 on the CPU.")
+    storage_dtype: str = knob(
+        "auto", choices=STORAGE_DTYPE_CHOICES, param="storage_dtype", section=SECTION,
+        help="Dtype of the stored states; auto = the compute dtype; float8_e4m3fn = fp8 with one scale per token "
+             "and layer (half the bytes of bfloat16).")
+    token_budget: int = knob(16384, min=256, param="token_budget", section=SECTION,
+                             help="Padded tokens per forward pass; lower it after an out-of-memory error.")
+    chunk_mb: float = knob(1024, gt=0, param="chunk_mb", section=SECTION,
+                           help="Target size of a chunk file in MiB (the unit of commit and resume).")
+    # GPU runs pin up to writer_threads + 1 chunk buffers of chunk_mb each (made on demand: HostBufferPool);
+    # 6 was best of 3/6 on the H200's disk (docs/benchmarks.md)
+    writer_threads: int = knob(6, min=1, max=64, help="Chunks written at once (while one fsyncs, others write).")
+    verify_existing: bool = knob(False, help="Re-hash committed chunks on a resume or a finished re-run.")
+    log_every_s: float = knob(10.0, gt=0, help="Seconds between progress lines (one is logged at every commit too).")
+    memory_headroom: float = knob(0.9, gt=0, max=1,
+                                  help="The budget's estimated memory must fit this fraction of the free memory.")
+    # auto = on a GPU (1.3-1.5x on the H200, docs/benchmarks.md; the first batch pays 13-25 s of compilation)
+    compile: bool | str = knob("auto", help="torch.compile each decoder layer: true, false or auto (on on a GPU).")
+    backend: str = knob("hf", choices=BACKEND_CHOICES, param="extract_backend", section=SECTION,
+                        help="hf: HF transformers modules; fused-llama: fused q/k/v and gate/up GEMMs (Llama family).")
+    attention: str = knob("auto", choices=ATTENTION_CHOICES, param="extract_attention", section=SECTION,
+                          help="SDPA kernel of the forward: auto (torch picks), flash, cudnn, efficient, math.")
+    # cuDNN attention builds a host-side plan per new (rows, length), ~40-60 ms on the H200, which at the 135M
+    # shape made a run over new shapes 2.8x slower than over known ones (docs/benchmarks.md, run 9)
+    pad_multiple: str | int = knob(
+        "auto", min=1, pattern=r"^(auto|[1-9][0-9]*)$", param="extract_pad_multiple", section=SECTION,
+        help="Right-pad each batch to a multiple of this many tokens (a bounded set of shapes); auto = 1 on the "
+             "CPU, on a GPU up to 64 with padding under 1/16 of the length.")
+
+    def __post_init__(self):
+        # a rendered template gives strings: "16" -> 16, "false" -> False
+        if isinstance(self.pad_multiple, str) and self.pad_multiple.strip().isdigit():
+            self.pad_multiple = int(self.pad_multiple)
+        if isinstance(self.compile, str) and self.compile.strip().lower() in ("true", "false"):
+            self.compile = self.compile.strip().lower() == "true"
+        check_knobs(self, "extract")
+        check_patterns(self, "extract")
+        if isinstance(self.compile, str) and self.compile != "auto":
+            raise ConfigError(f"{param_label('extract', field_of(self, 'compile'))} must be true, false or 'auto', "
+                              f"got {self.compile!r}")
+
+    def state_params(self) -> dict:
+        """The values that define the stored states (after resolve_for_device: no "auto" left in them)."""
+        return {k: getattr(self, k) for k in STATE_PARAMS}
+
+
+def field_of(cfg, name: str) -> dataclasses.Field:
+    return next(f for f in dataclasses.fields(cfg) if f.name == name)
+
+
+def check_patterns(cfg, where: str) -> None:
+    """A string knob with a `pattern` must match it (check_knobs checks types, bounds and choices)."""
+    for f in dataclasses.fields(cfg):
+        meta, value = knob_meta(f), getattr(cfg, f.name)
+        if meta and meta["pattern"] and isinstance(value, str) and not re.fullmatch(meta["pattern"], value):
+            raise ConfigError(f"{param_label(where, f)} must match {meta['pattern']}, got {value!r}")
+
+
+@dataclass
+class ShardPlanConfig:
+    merge_dir: str = knob(help="The merged dataset (eagle3.merge.dataset) to split into shards.")
+    num_shards: int = knob(4, min=1, max=4096, param="num_shards", section=SECTION,
+                           help="Extraction tasks (shards of about equal tokens); one GPU each at a time.")
+
+    def __post_init__(self):
+        check_knobs(self, "plan_shards")
