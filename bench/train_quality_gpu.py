@@ -34,7 +34,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 
-from eagle3.extract.extractor import ExtractConfig, extract_shard  # noqa: E402
+from eagle3.extract.config import ExtractConfig, ShardPlanConfig  # noqa: E402
+from eagle3.extract.extractor import extract_shard  # noqa: E402
 from eagle3.extract.plan import plan_shards  # noqa: E402
 from eagle3.errors import PipelineError  # noqa: E402
 from eagle3.io import atomic_path, read_json  # noqa: E402
@@ -157,7 +158,7 @@ def main() -> None:
     capture = default_capture_layers(info.num_layers)
     shards = [extract_shard(ExtractConfig(model_path=str(model_path), extract_dir=str(work / "extract"),
                                           capture_layers=capture, chunk_mb=256, token_budget=65536), spec)
-              for spec in plan_shards(work / "merge", args.shards)]
+              for spec in plan_shards(ShardPlanConfig(str(work / "merge"), args.shards))]
     times["extract_s"] = round(time.time() - t, 1)
 
     epochs = max(1, round(args.train_tokens / merged["tokens"])) if args.train_tokens else args.epochs

@@ -27,11 +27,12 @@ _META = "eagle3_knob"
 def knob(default: Any = dataclasses.MISSING, *, help: str, min: float | None = None, max: float | None = None,
          gt: float | None = None, choices: tuple | list | None = None, param: str | None = None,
          section: str | None = None, default_factory: Any = dataclasses.MISSING, pattern: str | None = None,
-         items: dict | None = None) -> Any:
+         items: dict | None = None, schema: dict | None = None) -> Any:
     """A dataclass field with its bounds and help. `param`: the trigger-form name (None = not in the form);
-    `min`/`max` inclusive, `gt` exclusive; `choices` for strings; `pattern`/`items` extend the form schema."""
+    `min`/`max` inclusive, `gt` exclusive; `choices` for strings; `pattern`/`items`/`schema` extend the form's
+    JSON schema (e.g. schema={"maxItems": 8})."""
     meta = {_META: {"help": help, "min": min, "max": max, "gt": gt, "choices": tuple(choices) if choices else None,
-                    "param": param, "section": section, "pattern": pattern, "items": items}}
+                    "param": param, "section": section, "pattern": pattern, "items": items, "schema": schema}}
     if default_factory is not dataclasses.MISSING:
         return dataclasses.field(default_factory=default_factory, metadata=meta)
     return dataclasses.field(default=default, metadata=meta)
@@ -151,6 +152,14 @@ def _json_type(tp) -> list[str]:
     return out
 
 
+def _item_schema(tp) -> dict:
+    """The JSON schema of a list's items from its annotation (list[int] -> integer)."""
+    for a in _union_args(tp):
+        if typing.get_origin(a) in (list, tuple) and typing.get_args(a):
+            return {"type": _json_type(typing.get_args(a)[0])[0]}
+    return {}
+
+
 def form_params(*classes) -> dict[str, dict]:
     """{form name: {"default", "schema", "section", "description"}} for every knob with a `param` name.
 
@@ -167,7 +176,7 @@ def form_params(*classes) -> dict[str, dict]:
             bounds = {"minimum": meta["min"], "maximum": meta["max"], "exclusiveMinimum": meta["gt"]}
             target = schema
             if "array" in types_:
-                target = schema.setdefault("items", dict(meta["items"] or {"type": "integer"}))
+                target = schema.setdefault("items", dict(meta["items"] or _item_schema(hints[f.name])))
             elif meta["items"]:
                 schema["items"] = meta["items"]
             target.update({k: v for k, v in bounds.items() if v is not None})
@@ -176,6 +185,7 @@ def form_params(*classes) -> dict[str, dict]:
                 schema.pop("type")
             if meta["pattern"]:
                 schema["pattern"] = meta["pattern"]
+            schema.update(meta["schema"] or {})
             default = f.default if f.default is not dataclasses.MISSING else (
                 f.default_factory() if f.default_factory is not dataclasses.MISSING else None)
             name = meta["param"]

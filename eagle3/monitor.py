@@ -144,9 +144,3 @@ def human_bytes(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
         n /= 1000
     return f"{n} B"
-
-
-def run_dir_for(params: dict[str, Any], run_id: str) -> Path:
-    """The run folder the DAG writes to: `<output_root>/<run_name or path-safe run id>` (the DAG's RUN_DIR)."""
-    name = params.get("run_name") or run_id.replace(":", "-").replace("+", "-")
-    return Path(params["output_root"]) / name

@@ -13,11 +13,12 @@ import os
 import platform
 import shutil
 import subprocess
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from eagle3.errors import ConfigError, PipelineError
 from eagle3.io import atomic_write_json
+from eagle3.knobs import check_knobs, knob
 from eagle3.models import model_info, resolve_capture_layers
 
 log = logging.getLogger(__name__)
@@ -28,14 +29,20 @@ NVIDIA_SMI_QUERY = "index,name,memory.total,memory.used,driver_version,compute_c
 
 @dataclass
 class PreflightConfig:
-    model_path: str
-    output_dir: str
-    capture_layers: list[int] | None = None  # HF hidden_states indices; None = [2, L//2, L-3]
-    estimated_tokens: int = 0  # tokens to extract; 0 = skip the disk estimate
-    bytes_per_value: int = 2  # bf16/fp16 storage
-    allow_cpu: bool = False
-    min_gpus: int = 1
-    disk_headroom: float = 1.1  # ask for 10% more than the estimate
+    model_path: str = knob(help="HF-format folder of the target model")
+    output_dir: str = knob(help="where preflight.json goes")
+    capture_layers: list[int] | None = knob(None, min=1, help="HF hidden_states indices; None = [2, L//2, L-3]")
+    estimated_tokens: int = knob(0, min=0, param="estimated_tokens", section="Run",
+                                 help="Tokens expected for extraction; preflight checks free disk against it "
+                                      "(0 = no disk estimate).")
+    bytes_per_value: int = knob(2, min=1, help="bytes of one stored hidden-state value (2 = bf16/fp16)")
+    allow_cpu: bool = knob(False, param="allow_cpu", section="Run",
+                           help="Run on the CPU when no GPU is found (demo, tests).")
+    min_gpus: int = knob(1, min=0, help="GPUs the run needs unless allow_cpu")
+    disk_headroom: float = knob(1.1, min=1.0, help="ask for this multiple of the disk estimate")
+
+    def __post_init__(self):
+        check_knobs(self, "preflight")
 
 
 class PreflightError(PipelineError):

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from typing import Any, ClassVar, Generic, Mapping, Sequence, TypeVar
 
-from airflow.exceptions import AirflowFailException
-from airflow.sdk import BaseOperator
+from airflow.sdk import BaseOperator, Context
+from airflow.sdk.exceptions import AirflowFailException
 
 from eagle3.errors import ConfigError
 from eagle3.knobs import build
@@ -38,7 +38,7 @@ class Eagle3Operator(BaseOperator, Generic[C]):
             raise ConfigError(f"task {self.task_id}: its config rendered to {type(values).__name__}, not an object")
         return build(self.config_class, {**values, **extra}, where=self.task_id)
 
-    def execute(self, context: Any) -> Any:
+    def execute(self, context: Context) -> Any:
         try:
             return self.run(self.build_config(**self.mapped_values()), context)
         except ConfigError as e:
@@ -48,5 +48,5 @@ class Eagle3Operator(BaseOperator, Generic[C]):
         """Config fields that come from the task's own arguments (a mapped shard, a dataset); none by default."""
         return {}
 
-    def run(self, cfg: C, context: Any) -> Any:
+    def run(self, cfg: C, context: Context) -> Any:
         raise NotImplementedError

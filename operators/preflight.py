@@ -1,44 +1,42 @@
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
-from airflow.sdk import BaseOperator
+from airflow.sdk import Context
+
+from eagle3.preflight import PreflightConfig
+from operators.base import Eagle3Operator
 
 
-class PreflightOperator(BaseOperator):
-    """Checks GPUs, packages, the model, the capture layers and free disk before the run spends GPU time."""
+class PreflightOperator(Eagle3Operator[PreflightConfig]):
+    """Checks the run's params across phases, then GPUs, packages, the model, the capture layers and free disk,
+    before the run spends GPU time. Returns the model facts later tasks template in (eagle3.config.ModelFact)."""
 
-    template_fields: Sequence[str] = ("model_path", "output_dir", "capture_layers", "estimated_tokens", "allow_cpu")
+    config_class = PreflightConfig
+    template_fields: Sequence[str] = ("config", "run_params")
     ui_color = "#e8f4d9"
 
-    def __init__(self, *, model_path: str, output_dir: str, capture_layers: Any = None,
-                 estimated_tokens: Any = 0, allow_cpu: Any = False, **kwargs):
+    def __init__(self, *, run_params: Mapping[str, Any] | str | None = None, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        self.model_path = model_path
-        self.output_dir = output_dir
-        self.capture_layers = capture_layers
-        self.estimated_tokens = estimated_tokens
-        self.allow_cpu = allow_cpu
+        self.run_params = run_params  # the whole trigger form ("{{ params }}"): checked across phases first
 
-    def execute(self, context) -> dict:
-        from eagle3.preflight import PreflightConfig, run_preflight
+    def run(self, cfg: PreflightConfig, context: Context) -> dict:
+        from eagle3.config import check_run
+        from eagle3.preflight import run_preflight
+        from operators._render import rendered
 
-        cfg = PreflightConfig(
-            model_path=str(self.model_path),
-            output_dir=str(self.output_dir),
-            capture_layers=list(self.capture_layers) if self.capture_layers else None,
-            estimated_tokens=int(self.estimated_tokens or 0),
-            allow_cpu=bool(self.allow_cpu),
-        )
+        facts = check_run(rendered(self.run_params), context["run_id"]) if self.run_params else {}
         report = run_preflight(cfg)
+        model = report["model"]
         return {
+            **facts,
+            "capture_layers": model["capture_layers"],
+            "num_capture_layers": len(model["capture_layers"]),
+            "hidden_size": model["info"]["hidden_size"],
+            "vocab_size": model["info"]["vocab_size"],
+            "num_layers": model["info"]["num_layers"],
             "device": report["device"],
             "gpus": len(report["gpu"]["gpus"]),
-            "capture_layers": report["model"]["capture_layers"],
-            # model facts later tasks template in (merge's vocab check and size estimate)
-            "hidden_size": report["model"]["info"]["hidden_size"],
-            "vocab_size": report["model"]["info"]["vocab_size"],
-            "num_layers": report["model"]["info"]["num_layers"],
             "free_gb": round(report["disk"]["free_bytes"] / 1e9, 1),
             "report": f"{cfg.output_dir}/preflight.json",
         }

@@ -11,7 +11,6 @@ planned shard count (the mapped shard task's instances), and render HTML.
 from __future__ import annotations
 
 import html
-import os
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -21,7 +20,8 @@ from fastapi.responses import HTMLResponse
 from airflow.api_fastapi.core_api.security import get_user
 from airflow.plugins_manager import AirflowPlugin
 
-from eagle3.monitor import human_bytes, run_dir_for, run_progress
+from eagle3.config import run_dir, with_form_defaults
+from eagle3.monitor import human_bytes, run_progress
 
 SHARD_TASK_IDS = ("extract", "extract_shard")  # the mapped per-shard task of eagle3_drafter / the demo DAG
 PREFIX = "/eagle3"
@@ -50,13 +50,14 @@ def _run_info(dag_id: str, run_id: str) -> tuple[Path, dict[int, dict]]:
         except Exception:  # an older/unparsable serialized DAG: the run conf alone may still be enough
             params = {}
         params.update(run.conf or {})
-        params.setdefault("output_root", os.environ.get("EAGLE3_OUTPUT_ROOT", str(Path.home() / "eagle3-runs")))
+        if "output_root" not in params:  # a DAG without the eagle3 form: the form's default folder
+            params["output_root"] = with_form_defaults({})["output_root"]
         tis = session.scalars(select(TaskInstance).where(
             TaskInstance.dag_id == dag_id, TaskInstance.run_id == run_id,
             TaskInstance.task_id.in_(SHARD_TASK_IDS), TaskInstance.map_index >= 0)).all()
         airflow_state = {ti.map_index: {"state": ti.state, "try_number": ti.try_number, "hostname": ti.hostname}
                          for ti in tis}
-    return run_dir_for(params, run_id), airflow_state
+    return Path(run_dir(params, run_id)), airflow_state
 
 
 def _progress(dag_id: str, run_id: str) -> dict:

@@ -42,7 +42,9 @@ def test_param_defaults_are_valid_and_bad_values_are_rejected(dag):
 
     dag.params.validate()  # the defaults pass their own schema (the UI form starts valid)
     for name, bad, why in (("num_shards", 0, "less than the minimum"), ("run_name", "../escape", "does not match"),
-                           ("cap_policy", "sometimes", "is not one of"), ("capture_layers", [-1], "less than"),
+                           ("cap_policy", "sometimes", "is not one of"), ("capture_layers", [0], "less than"),
+                           ("capture_layers", [], "should be non-empty|is too short"),
+                           ("ttt_steps", 33, "greater than the maximum"),
                            ("datasets", [{"name": "A1"}], "'prompt_file' is a required property"),
                            ("extract_attention", "flash3", "is not one of"),
                            ("extract_pad_multiple", "sixty", "does not match"),
@@ -53,22 +55,71 @@ def test_param_defaults_are_valid_and_bad_values_are_rejected(dag):
 
 
 def test_extraction_params_reach_the_mapped_operator(dag):
-    """The SDPA kernel and backend params are templated into every mapped extraction task."""
-    extract = dag.task_dict["extract"]
-    kwargs = extract.partial_kwargs
-    assert kwargs["attention"] == "{{ params.extract_attention }}"
-    assert kwargs["backend"] == "{{ params.extract_backend }}"
-    assert dag.params["extract_attention"] == "auto"
-    assert kwargs["pad_multiple"] == "{{ params.extract_pad_multiple }}"
-    assert dag.params["extract_pad_multiple"] == "auto"
+    """The SDPA kernel and backend params are templated into every mapped extraction task's config."""
+    config = dag.task_dict["extract"].partial_kwargs["config"]
+    assert config["attention"] == "{{ params.extract_attention }}"
+    assert config["backend"] == "{{ params.extract_backend }}"
+    assert config["pad_multiple"] == "{{ params.extract_pad_multiple }}"
+    assert dag.params["extract_attention"] == "auto" and dag.params["extract_pad_multiple"] == "auto"
     for good in ("auto", "64", 64):
         assert dag.params.get_param("extract_pad_multiple").resolve(value=good) == good
-    # the DAG spells the choices out (it must not import torch to be parsed); they stay those the core accepts
+    # the form's choices come from the torch-free config; they stay those the torch side accepts
     from eagle3.extract.backend import SDPA_KERNELS
     from eagle3.extract.extractor import BACKENDS
 
     assert dag.params.get_param("extract_attention").schema["enum"] == list(SDPA_KERNELS)
     assert dag.params.get_param("extract_backend").schema["enum"] == list(BACKENDS)
+
+
+def test_rendered_configs_build_and_follow_the_form(dag, smollm2_path, tmp_path):
+    """Render each task's config as Airflow does (native objects, the run_dir macro, preflight's XCom) and build
+    the phase config from it: max_seq_len reaches training, the capture layers reach extraction."""
+    from eagle3.config import PHASE_CLASSES, model_facts, with_form_defaults
+    from eagle3.knobs import build
+
+    params = with_form_defaults({"model_path": str(smollm2_path), "output_root": str(tmp_path), "run_name": "r",
+                                 "max_seq_len": 3000, "token_budget": 1024})
+    facts = model_facts(str(smollm2_path), None)
+
+    class TI:
+        def xcom_pull(self, task_ids):
+            assert task_ids == "preflight"
+            return facts
+
+    env = dag.get_template_env()
+    context = {"params": params, "run_id": "manual__x", "ti": TI()}
+    tasks = {"preflight": "preflight", "datagen": "datagen", "merge": "merge", "plan": "plan_shards",
+             "extract": "extract", "train": "train", "evaluate": "evaluate"}
+    built = {}
+    for phase, task_id in tasks.items():
+        task = dag.task_dict[task_id]
+        template = task.partial_kwargs["config"] if hasattr(task, "partial_kwargs") else task.config
+        values = task.render_template(template, context, env)
+        if phase == "train":
+            values["shard_dirs"] = [str(tmp_path / "r/extract/shard-00000")]
+        built[phase] = build(PHASE_CLASSES[phase], values, phase)
+    assert built["train"].max_seq_len == built["merge"].max_seq_len == 3000
+    assert built["extract"].capture_layers == [2, 15, 27] and built["extract"].token_budget == 1024
+    assert built["merge"].num_capture_layers == 3 and built["merge"].hidden_size == 576
+    assert built["extract"].extract_dir == str(tmp_path / "r" / "extract")
+    assert built["evaluate"].export_dir == str(tmp_path / "r" / "train" / "export")
+
+
+def test_a_config_error_fails_the_task_without_retries(tmp_path):
+    """A ConfigError is the user's input: AirflowFailException, which Airflow does not retry."""
+    from airflow.sdk.exceptions import AirflowFailException
+
+    from operators.merge import MergeOperator
+    from operators.train import TrainDrafterOperator
+
+    op = MergeOperator(task_id="merge", config={"inputs": [str(tmp_path)], "output_dir": str(tmp_path / "m"),
+                                                "max_seq_len": 0})
+    with pytest.raises(AirflowFailException, match="max_seq_len"):
+        op.execute({})
+    op = TrainDrafterOperator(task_id="train", config={"model_path": "m", "output_dir": str(tmp_path / "t")},
+                              shard_dirs=[str(tmp_path)], overrides={"lerning_rate": 1e-3})
+    with pytest.raises(AirflowFailException, match="lerning_rate"):
+        op.execute({})
 
 
 def test_core_package_never_imports_airflow():

@@ -3,7 +3,8 @@ import json
 import torch
 
 from eagle3.extract.format import ShardManifest, write_chunk
-from eagle3.monitor import COMPLETE, IN_PROGRESS, NOT_STARTED, human_bytes, run_dir_for, run_progress
+from eagle3.config import run_dir
+from eagle3.monitor import COMPLETE, IN_PROGRESS, NOT_STARTED, human_bytes, run_progress
 
 
 def chunk(rows, n_tok=3):
@@ -61,9 +62,9 @@ def test_unreadable_and_odd_manifests_do_not_raise(tmp_path):
 
 
 def test_run_dir_matches_the_dag_layout(tmp_path):
-    assert run_dir_for({"output_root": "/o", "run_name": ""}, "manual__2026-12-03T01:00:00+00:00") == \
-        tmp_path.__class__("/o/manual__2026-12-03T01-00-00-00-00")
-    assert str(run_dir_for({"output_root": "/o", "run_name": "exp1"}, "x")) == "/o/exp1"
+    assert run_dir({"output_root": "/o", "run_name": ""}, "manual__2026-12-03T01:00:00+00:00") == \
+        "/o/manual__2026-12-03T01-00-00-00-00"
+    assert run_dir({"output_root": "/o", "run_name": "exp1"}, "x") == "/o/exp1"
     assert human_bytes(999) == "999 B" and human_bytes(1_500_000) == "1.50 MB"
 
 

@@ -26,7 +26,7 @@ def test_preflight_passes_on_cpu_with_real_model(smollm2_path, tmp_path):
 
 
 def test_bad_capture_layer_fails_naming_layer_and_depth(smollm2_path, tmp_path):
-    with pytest.raises(PreflightError, match=r"capture layer 58 does not exist.*30 decoder layers"):
+    with pytest.raises(PreflightError, match=r"capture layer 58 is out of range.*30 decoder layers"):
         run_preflight(cfg(smollm2_path, tmp_path, capture_layers=[2, 15, 58]))
 
 

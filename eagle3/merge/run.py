@@ -73,7 +73,7 @@ def _keep_large_buffers_off_the_heap() -> None:
 
 def run_merge(cfg: MergeConfig) -> dict:
     out_dir = Path(cfg.output_dir)
-    datasets = discover_datasets(cfg.inputs, cfg.include, cfg.exclude, cfg.require_datagen_complete)
+    datasets = discover_datasets(cfg.inputs, cfg.include or None, cfg.exclude, cfg.require_datagen_complete)
     out = PhaseOutput(out_dir, merge_fingerprint(cfg, datasets))
     done = out.completed(verify=lambda m: parts_intact(out_dir, m, cfg.verify_existing))
     if done is not None:

@@ -20,7 +20,9 @@ from pathlib import Path
 
 from airflow.sdk import DAG, Param, get_current_context, task
 
-DEFAULT_OUTPUT_ROOT = os.environ.get("EAGLE3_OUTPUT_ROOT", str(Path.home() / "eagle3-runs"))
+from eagle3.config import default_output_root, run_dir
+
+DEFAULT_OUTPUT_ROOT = default_output_root()
 HIDDEN, N_CAPTURE = 8, 3
 # Retries of a shard task; the fault-injection test sets 0 so the injected failure stays visible
 # until the user clears that map index (with retries, Airflow would re-run it by itself).
@@ -71,8 +73,7 @@ with DAG(
     def plan() -> list[dict]:
         ctx = get_current_context()
         p, run_id = ctx["params"], ctx["run_id"]
-        name = p["run_name"] or run_id.replace(":", "-").replace("+", "-")
-        extract_dir = str(Path(p["output_root"]) / name / "extract")
+        extract_dir = f"{run_dir(p, run_id)}/extract"
         n, rows = p["shards"], p["rows"]
         bounds = [rows * i // n for i in range(n + 1)]
         return [{"shard": i, "extract_dir": extract_dir, "rows": [bounds[i], bounds[i + 1]]} for i in range(n)]

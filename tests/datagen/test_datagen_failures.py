@@ -24,7 +24,7 @@ def _client(**kw) -> ClientConfig:
 
 
 def test_bad_prompt_file_fails_before_the_local_server_starts(smollm2_path, tmp_path):
-    from airflow.exceptions import AirflowFailException
+    from airflow.sdk.exceptions import AirflowFailException
 
     from operators.datagen import DatagenOperator
 
