@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from airflow_harness import AirflowCluster, ApiError, MetadataDB
+from eagle3.config import form_params
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -241,7 +242,7 @@ def test_browser_login_trigger_form_and_plugin_page(local_airflow, browser, tmp_
     # the params are grouped in sections (accordions, one open at a time): check two of them
     for section, names in (("Run", ("model_path", "output_root", "run_name", "capture_layers", "allow_cpu")),
                            ("Extraction", ("num_shards", "token_budget", "chunk_mb",
-                                           "Extraction shards (one GPU task each); balanced by tokens."))):
+                                           form_params()["num_shards"]["description"]))):
         [b for b in dialog.find_elements(By.CSS_SELECTOR, "button") if b.text.strip() == section][0].click()
         time.sleep(1)
         browser.save_screenshot(str(out / f"02-trigger-form-{section.lower()}.png"))

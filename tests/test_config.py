@@ -35,6 +35,23 @@ def test_every_form_param_is_one_knob_and_its_default_is_the_knobs():
         assert p["description"] and p["section"], name
 
 
+def test_a_param_fed_to_several_phases_has_the_same_bounds_in_each():
+    """max_seq_len is declared by merge (the form) and fed to training: a value one accepts the other must too."""
+    from eagle3.config import FORM_CLASSES, PHASE_SOURCES, FromParam
+
+    declared = {f.metadata["eagle3_knob"]["param"]: f.metadata["eagle3_knob"] for cls in FORM_CLASSES
+                for f in dataclasses.fields(cls) if f.metadata.get("eagle3_knob", {}).get("param")}
+    checked = 0
+    for phase, sources in PHASE_SOURCES.items():
+        fields = PHASE_CLASSES[phase].__dataclass_fields__
+        for name, src in sources.items():
+            if isinstance(src, FromParam) and src.name in declared and "eagle3_knob" in fields[name].metadata:
+                got, want = fields[name].metadata["eagle3_knob"], declared[src.name]
+                assert (got["min"], got["max"], got["gt"]) == (want["min"], want["max"], want["gt"]), (phase, name)
+                checked += 1
+    assert checked >= 1
+
+
 def test_max_seq_len_reaches_training(smollm2_path, tmp_path):
     """The form's max_seq_len was merge's only; training truncated at its own 2048 without a word."""
     params = form(smollm2_path, tmp_path, max_seq_len=4096)

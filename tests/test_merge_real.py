@@ -64,8 +64,10 @@ def test_operator_execute_returns_the_summary(tmp_path):
         write_dataset(tmp_path / "datagen", name, [
             {"sample_id": f"{name}-{i}", "dataset": name, "input_ids": [1, 2, 3, i], "loss_mask": [0, 1, 1, 1]}
             for i in range(10)])
-    op = MergeOperator(task_id="merge", inputs=[str(tmp_path / "datagen")], output_dir=str(tmp_path / "merge"),
-                       exclude='["B"]', seed="3", vocab_size="49152", hidden_size="576", extraction_tokens_per_s="100")
+    # the DAG hands the operator one config; a rendered Jinja template arrives as a JSON string
+    op = MergeOperator(task_id="merge", config=json.dumps({
+        "inputs": [str(tmp_path / "datagen")], "output_dir": str(tmp_path / "merge"), "exclude": ["B"], "seed": 3,
+        "vocab_size": 49152, "hidden_size": 576, "extraction_tokens_per_s": 100}))
     out = op.execute({})
     assert out == {"merge_dir": str(tmp_path / "merge"), "manifest": str(tmp_path / "merge" / "manifest.json"),
                    "files": 1, "rows": 10, "tokens": 40, "skipped": False, "bad_input": 0, "dropped": 0,

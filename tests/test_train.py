@@ -301,8 +301,9 @@ def test_speculative_decoding_is_lossless_and_reports_acceptance(trained, smollm
     # operator path: same params -> skipped (report reused), returns a small dict
     from operators.train import EvaluateDrafterOperator
 
-    op = EvaluateDrafterOperator(task_id="evaluate", export_dir=cfg.export_dir, model_path=cfg.model_path,
-                                 output_dir=cfg.output_dir, prompts=prompts, k=3, max_new_tokens=24, random_floor=False)
+    op = EvaluateDrafterOperator(task_id="evaluate", config={
+        "export_dir": cfg.export_dir, "model_path": cfg.model_path, "output_dir": cfg.output_dir, "prompts": prompts,
+        "k": 3, "max_new_tokens": 24, "random_floor": False})
     assert op.execute({})["tau"] == round(r["tau"], 3)
 
 
@@ -346,8 +347,9 @@ def test_train_operator_skips_a_finished_run(trained):
     params = {k: getattr(cfg, k) for k in ("batch_size", "max_steps", "lr", "warmup_ratio", "checkpoint_every",
                                             "ttt_steps", "seed")}
     t = time.time()
-    res = TrainDrafterOperator(task_id="train", shard_dirs=cfg.shard_dirs, model_path=cfg.model_path,
-                               output_dir=cfg.output_dir, train_config=params).execute({})
+    res = TrainDrafterOperator(task_id="train", shard_dirs=[{"shard_dir": d} for d in cfg.shard_dirs],
+                               config={"model_path": cfg.model_path, "output_dir": cfg.output_dir,
+                                       "max_seq_len": cfg.max_seq_len}, overrides=params).execute({})
     assert time.time() - t < 5 and res["steps"] == 24 and res["export_dir"] == report["export_dir"]
     json.dumps(res)
 

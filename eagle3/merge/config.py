@@ -17,7 +17,7 @@ class MergeConfig:
     include: list[str] | None = knob(None, param="include", section="Merge",
                                      help="Datasets to keep (empty = all).")
     exclude: list[str] = knob(default_factory=list, param="exclude", section="Merge", help="Datasets to drop.")
-    max_seq_len: int = knob(8192, min=16, max=1_048_576, param="max_seq_len", section="Merge",
+    max_seq_len: int = knob(8192, min=3, max=1_048_576, param="max_seq_len", section="Merge",
                             help="Sequence-length cap of the run: merge caps samples at it, training trains on "
                                  "them whole.")
     cap_policy: str = knob("truncate", choices=CAP_POLICIES, param="cap_policy", section="Merge",

@@ -35,7 +35,7 @@ class TrainConfig:
     grad_clip: float = knob(0.5, gt=0, help="Gradient norm clip.")
     batch_size: int = knob(4, min=1, param="batch_size", section=TRAINING, help="Samples per micro-batch.")
     grad_accum: int = knob(1, min=1, help="Micro-batches per optimizer step.")
-    max_seq_len: int = knob(8192, min=3, help="Tokens of a sample that are trained on; longer samples are cut and "
+    max_seq_len: int = knob(8192, min=3, max=1_048_576, help="Tokens of a sample that are trained on; longer samples are cut and "
                                               "counted in report.json. The run configuration sets it to merge's cap.")
     epochs: int = knob(1, min=1, param="epochs", section=TRAINING, help="Passes over the data.")
     max_steps: int = knob(0, min=0, param="max_steps", section=TRAINING,
