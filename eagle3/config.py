@@ -112,7 +112,7 @@ FACTS_TASK = "preflight"  # the task whose XCom holds the model facts
 MODEL = FromParam("model_path")
 PHASE_SOURCES: dict[str, dict[str, Any]] = {
     "preflight": {"model_path": MODEL, "output_dir": InRunDir("preflight"),
-                  "capture_layers": FromParam("capture_layers")},
+                  "capture_layers": FromParam("capture_layers"), "tp_size": FromParam("extract_tp_size")},
     "datagen": {"output_dir": InRunDir("datagen"), "tokenizer_path": MODEL, "model_path": MODEL},
     "merge": {"inputs": [InRunDir("datagen")], "output_dir": InRunDir("merge"), "vocab_size": ModelFact("vocab_size"),
               "hidden_size": ModelFact("hidden_size"), "num_capture_layers": ModelFact("num_capture_layers")},

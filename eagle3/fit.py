@@ -115,7 +115,7 @@ def weight_estimate(cfg: dict, tp_size: int = 1, dtype: str | None = None) -> We
     shared_inter = int(t.get("shared_expert_intermediate_size") or moe_inter)
     attn = _attention_params(t)
     sharded = 0  # linear params split across ranks
-    replicated = 2 * H * int(t["num_hidden_layers"])  # norms
+    replicated = 2 * H * int(t["num_hidden_layers"]) + H  # the layers' norms and the final norm
     for moe in _layer_kinds(t):
         sharded += attn
         if moe:
