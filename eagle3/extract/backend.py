@@ -100,9 +100,15 @@ def load_decoder(backend, model_path: str, dtype: str, device: str, capture_laye
     if backend.model is None:
         from transformers import AutoModelForCausalLM
 
+        from eagle3.fit import check_fp8_device, fp8_checkpoint, load_config
+
         backend.info = model_info(model_path)
         resolve_capture_layers(capture_layers, backend.info)  # before spending time on the weights
-        if tp_plan:
+        config = load_config(model_path)
+        check_fp8_device(config, device, model_path)
+        if fp8_checkpoint(config) and not tp_plan:  # the FP8 quantizer places the weights itself
+            backend.model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=torch_dtype, device_map=device)
+        elif tp_plan:
             backend.model = AutoModelForCausalLM.from_pretrained(
                 str(model_path), dtype=torch_dtype, distributed_config=distributed_config(model_path, tp_plan))
         else:
