@@ -90,6 +90,12 @@ class ExtractionBackend(Protocol):
         """Forward a right-padded [B, L] batch on the device; return ([B, L, H] per capture layer, final [B, L, H])."""
 
 
+def on_device(have: torch.device, want: str) -> bool:
+    """Is a tensor on `have` already on `want` ("cuda" means any index, as .to("cuda") would keep it)?"""
+    want = torch.device(want)
+    return have.type == want.type and want.index in (None, have.index)
+
+
 def load_decoder(backend, model_path: str, dtype: str, device: str, capture_layers: list[int],
                  tp_plan: str | None = None) -> None:
     """The setup every HF-weights backend shares: load `backend.model` (unless preloaded) on `device` in `dtype`,
@@ -113,7 +119,8 @@ def load_decoder(backend, model_path: str, dtype: str, device: str, capture_laye
                 str(model_path), dtype=torch_dtype, distributed_config=distributed_config(model_path, tp_plan))
         else:
             backend.model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=torch_dtype).to(device)
-    else:
+    elif not on_device(next(backend.model.parameters()).device, device) or backend.model.dtype != torch_dtype:
+        # (a model already in place is left alone: torchao's quantized weights need not support .to)
         backend.model = backend.model.to(device=device, dtype=torch_dtype)
     backend.model.eval()
     model = backend.model
