@@ -62,7 +62,7 @@ def _run_info(dag_id: str, run_id: str) -> tuple[Path, dict[int, dict]]:
 
 def _progress(dag_id: str, run_id: str) -> dict:
     run_dir, ti_state = _run_info(dag_id, run_id)
-    progress = run_progress(run_dir, expected_shards=len(ti_state) or None).to_dict()
+    progress = run_progress(run_dir, expected_shards=len(ti_state) or None, tasks=ti_state).to_dict()
     for s in progress["shards"]:
         s["airflow"] = ti_state.get(s["shard"], {})
     return {"dag_id": dag_id, "run_id": run_id, "run_dir": str(run_dir), **progress}
@@ -76,7 +76,7 @@ def shards_json(user: User, dag_id: str = Query(...), run_id: str = Query(...)) 
 STYLE = """body{font-family:system-ui,sans-serif;margin:1.5rem;color:#1a202c}table{border-collapse:collapse}
 td,th{border:1px solid #cbd5e0;padding:.3rem .6rem;text-align:right}th{background:#edf2f7}td.l{text-align:left}
 .complete{background:#c6f6d5}.in.progress{background:#fefcbf}.not.started{background:#edf2f7}
-.err{color:#c53030}"""
+.failed{background:#fed7d7}.err{color:#c53030}"""
 
 
 @app.get("/shards", response_class=HTMLResponse)
@@ -94,18 +94,24 @@ def shards_page(user: User, dag_id: str = Query(...), run_id: str = Query(...)) 
             f"<td>{s['chunks']}</td><td>{s['samples']:,}</td><td>{s['tokens']:,}</td>"
             f"<td>{e(human_bytes(s['bytes_written']))}</td><td>{rate}</td>"
             f"<td class='l'>{e(s['updated_at'] or '-')}</td><td class='l'>{e(str(af.get('hostname') or '-'))}</td>"
-            f"<td class='l err'>{e(s['error'] or '')}</td></tr>")
+            f"<td class='l err'>{e(_error_cell(s))}</td></tr>")
     return f"""<!doctype html><html><head><meta charset="utf-8"><meta http-equiv="refresh" content="10">
 <title>eagle3 shards: {e(run_id)}</title><style>{STYLE}</style></head><body>
 <h2>Extraction shards</h2>
 <p>DAG <b>{e(dag_id)}</b>, run <b>{e(run_id)}</b><br>folder <code>{e(p['extract_dir'])}</code></p>
 <p id="totals">{t['shards']} shards: {t['complete']} complete, {t['in_progress']} in progress, {t['not_started']} not
-started &middot; {t['chunks']} chunks &middot; {t['tokens']:,} tokens &middot; {e(human_bytes(t['bytes_written']))} written
+started, {t['failed']} failed &middot; {t['chunks']} chunks &middot; {t['tokens']:,} tokens &middot; {e(human_bytes(t['bytes_written']))} written
 &middot; {t['tokens_per_s']:,.0f} tokens/s now</p>
 <table id="shards"><tr><th>shard</th><th>state</th><th>Airflow task</th><th>chunks</th><th>samples</th><th>tokens</th>
 <th>written</th><th>tokens/s</th><th>updated</th><th>worker</th><th>error</th></tr>
 {''.join(rows) or '<tr><td colspan=11>no shards planned yet</td></tr>'}</table>
 <p>Read from each shard's manifest.json (the source of truth); refreshes every 10 s.</p></body></html>"""
+
+
+def _error_cell(s: dict) -> str:
+    if s["failed_try"] is not None:
+        return f"try {s['failed_try']}: {s['error'] or 'failed'}"
+    return s["error"] or ""
 
 
 @app.get("/", response_class=HTMLResponse)

@@ -122,6 +122,13 @@ def test_failed_shard_is_cleared_alone_and_resumes(local_airflow, tmp_path):
     assert states[("train", -1)] == states[("evaluate", -1)] == "upstream_failed"
     m = shard_manifests(run_dir)[1]
     assert len(m["chunks"]) == 1 and not m["complete"]
+    # the shard view shows it failed, on try 1, with the error's first line and no (stale) rate
+    s1 = api.get("/eagle3/api/shards", dag_id=DAG_ID, run_id=run_id)["shards"][1]
+    assert (s1["state"], s1["failed_try"], s1["tokens_per_s"], s1["chunks"]) == ("failed", 1, None, 1), s1
+    assert s1["error"] == "InjectedFault: injected fault (EAGLE3_INJECT_FAULT): shard 1 after 1 committed chunks"
+    page = api.session.get(f"{api.base_url}/eagle3/shards", params={"dag_id": DAG_ID, "run_id": run_id}, timeout=30)
+    assert "<tr class='failed' data-shard='1'>" in page.text and "try 1: InjectedFault" in page.text
+    assert "1 complete, 0 in progress, 0 not started, 1 failed" in page.text
 
     api.clear_map_index(DAG_ID, run_id, SHARD_TASK, 1)
     run = api.wait_run(DAG_ID, run_id, timeout=420)
