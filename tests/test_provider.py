@@ -43,6 +43,7 @@ def test_wheel_holds_every_package_and_the_entry_points(wheel):
     missing = checkout_modules() - names
     assert not missing, f"not installed by `pip install .` (add the package to pyproject's list): {sorted(missing)}"
     assert "eagle3_dags/eagle3_drafter.py" in names
+    assert {f"eagle3_demo/{p.name}" for p in (ROOT / "data" / "demo").glob("*.jsonl")} <= names  # form defaults
     ep = next(n for n in names if n.endswith(".dist-info/entry_points.txt"))
     text = zipfile.ZipFile(wheel).read(ep).decode()
     assert "[apache_airflow_provider]\nprovider_info = operators.provider:get_provider_info" in text
@@ -71,6 +72,9 @@ from eagle3.cli import dags_folder
 out["dags_folder"] = dags_folder()
 from airflow.dag_processing.dagbag import DagBag
 bag = DagBag(dag_folder=out["dags_folder"])
+from eagle3.config import form_params
+defaults = {n: p["default"] for n, p in form_params().items()}
+out["default_files"] = [d["prompt_file"] for d in defaults["datasets"]] + [defaults["eval_prompts_file"]]
 out["dags"], out["import_errors"] = sorted(bag.dags), {k: v[-300:] for k, v in bag.import_errors.items()}
 print(json.dumps(out))
 """
@@ -97,4 +101,6 @@ def test_installed_alone_airflow_finds_provider_plugin_and_dag(wheel, tmp_path):
     assert ("eagle3", "operators.plugin") in [tuple(p) for p in out["plugins"]] and not out["plugin_errors"]
     assert out["dags_folder"] == str(site / "eagle3_dags")
     assert out["dags"] == ["eagle3_drafter"] and not out["import_errors"], out["import_errors"]
+    # the form's default prompt files come with the install
+    assert all(f.startswith(str(site / "eagle3_demo")) and Path(f).is_file() for f in out["default_files"])
 
