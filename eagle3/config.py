@@ -35,6 +35,17 @@ from eagle3.train.config import EvalConfig, TrainConfig
 REPO = Path(__file__).resolve().parents[1]
 
 
+def demo_data_dir() -> Path:
+    """The demo prompts: this checkout's data/demo, or the copy an install carries (package eagle3_demo)."""
+    from importlib.util import find_spec
+
+    here = REPO / "data" / "demo"
+    spec = None if here.is_dir() else find_spec("eagle3_demo")
+    if spec is not None and spec.submodule_search_locations:
+        return Path(next(iter(spec.submodule_search_locations)))
+    return here
+
+
 def default_model_path() -> str:
     cache = Path(os.environ.get("EAGLE3_CACHE", Path.home() / ".cache" / "eagle3"))
     return os.environ.get("EAGLE3_MODEL_PATH", str(cache / "SmolLM2-135M-Instruct"))
@@ -45,7 +56,7 @@ def default_output_root() -> str:
 
 
 def demo_datasets() -> list[dict]:
-    return [{"name": n, "prompt_file": str(REPO / f"data/demo/{n}.jsonl"), "max_tokens": 256} for n in ("A1", "B1")]
+    return [{"name": n, "prompt_file": str(demo_data_dir() / f"{n}.jsonl"), "max_tokens": 256} for n in ("A1", "B1")]
 
 
 @dataclass
@@ -77,7 +88,7 @@ class RunConfig:
 
 
 # Form-only defaults: what the trigger form shows where the core's own default is no file of this repo.
-FORM_DEFAULTS = {"eval_prompts_file": str(REPO / "data/demo/eval.jsonl")}
+FORM_DEFAULTS = {"eval_prompts_file": str(demo_data_dir() / "eval.jsonl")}
 
 FORM_SECTIONS = ("Run", "Data generation", "Merge", "Extraction", "Training", "Evaluation")
 FORM_CLASSES = (RunConfig, PreflightConfig, DatagenConfig, MergeConfig, ShardPlanConfig, ExtractConfig, TrainConfig,

@@ -58,6 +58,14 @@ def real_conf(root: Path, run_name: str) -> dict:
     }
 
 
+def error_lines(api, run_id: str, ti: dict) -> list[str]:
+    """The ERROR-level lines of a task instance's log (its last try), from the REST API as the UI reads them."""
+    log = api.get(f"/api/v2/dags/{DAG_ID}/dagRuns/{run_id}/taskInstances/{ti['task_id']}/logs/{ti['try_number']}",
+                  map_index=ti["map_index"])
+    return [str(e.get("event"))[:300] for e in log["content"] if isinstance(e, dict) and
+            str(e.get("level", "")).lower() in ("error", "critical")]
+
+
 def shard_manifests(run_dir: Path) -> dict[int, dict]:
     return {int(p.name.split("-")[1]): json.loads((p / "manifest.json").read_text())
             for p in sorted((run_dir / "extract").glob("shard-*")) if (p / "manifest.json").is_file()}
@@ -122,6 +130,13 @@ def test_failed_shard_is_cleared_alone_and_resumes(local_airflow, tmp_path):
     assert states[("train", -1)] == states[("evaluate", -1)] == "upstream_failed"
     m = shard_manifests(run_dir)[1]
     assert len(m["chunks"]) == 1 and not m["complete"]
+    # the shard view shows it failed, on try 1, with the error's first line and no (stale) rate
+    s1 = api.get("/eagle3/api/shards", dag_id=DAG_ID, run_id=run_id)["shards"][1]
+    assert (s1["state"], s1["failed_try"], s1["tokens_per_s"], s1["chunks"]) == ("failed", 1, None, 1), s1
+    assert s1["error"] == "InjectedFault: injected fault (EAGLE3_INJECT_FAULT): shard 1 after 1 committed chunks"
+    page = api.session.get(f"{api.base_url}/eagle3/shards", params={"dag_id": DAG_ID, "run_id": run_id}, timeout=30)
+    assert "<tr class='failed' data-shard='1'>" in page.text and "try 1: InjectedFault" in page.text
+    assert "1 complete, 0 in progress, 0 not started, 1 failed" in page.text
 
     api.clear_map_index(DAG_ID, run_id, SHARD_TASK, 1)
     run = api.wait_run(DAG_ID, run_id, timeout=420)
@@ -147,6 +162,18 @@ def test_failed_shard_is_cleared_alone_and_resumes(local_airflow, tmp_path):
     assert evaluation["identical_to_greedy"] is True and evaluation["tau"] >= 1.0
     assert (run_dir / "train" / "export" / "config.json").is_file()
     local_airflow.finished_run = run_id
+
+    # the exported drafter as an Airflow Asset: the train task's success recorded one event, the export in its extra
+    events = api.get("/api/v2/assets/events", source_dag_id=DAG_ID, source_run_id=run_id)["asset_events"]
+    assert [(e["name"], e["uri"], e["source_task_id"]) for e in events] == [("eagle3_drafter", "x-eagle3://drafter",
+                                                                             "train")]
+    assert events[0]["extra"]["export_dir"] == str(run_dir / "train" / "export")
+    assert events[0]["extra"]["run_id"] == run_id and events[0]["extra"]["steps"] == 2
+    assert when(events[0]["timestamp"]) >= when(tis[("train", -1)]["start_date"])
+    # clean logs: no ERROR line in the final try of any successful task (progress bars, transformers' notices and
+    # XCom probes used to make some)
+    errors = {key: lines for key, t in tis.items() if (lines := error_lines(api, run_id, t))}
+    assert not errors, errors
 
     # the plugin page, served by the running api-server, shows both shards from their manifests
     page = api.session.get(f"{api.base_url}/eagle3/shards", params={"dag_id": DAG_ID, "run_id": run_id}, timeout=30)

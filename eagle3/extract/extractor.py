@@ -37,6 +37,7 @@ from eagle3.extract.plan import ShardData, ShardSpec, load_shard_data
 from eagle3.faults import maybe_inject_fault
 from eagle3.io import MANIFEST_NAME, PhaseOutput, fingerprint, remove_stale_temps
 from eagle3.models import model_info, resolve_capture_layers
+from eagle3.monitor import clear_failure, record_failure
 
 log = logging.getLogger(__name__)
 
@@ -367,6 +368,14 @@ class ShardExtractor:
 
 
 def extract_shard(cfg: ExtractConfig, spec: ShardSpec | dict, backend: ExtractionBackend | None = None,
-                  model_config: dict | None = None) -> dict:
-    """Extract one shard (resumable, a no-op when complete) and return a small JSON-able summary."""
-    return ShardExtractor(cfg, spec, backend=backend, model_config=model_config).run()
+                  model_config: dict | None = None, try_number: int | None = None) -> dict:
+    """Extract one shard (resumable, a no-op when complete) and return a small JSON-able summary. A failure
+    leaves last_error.json (its first line, `try_number`) in the shard folder for the shard view."""
+    extractor = ShardExtractor(cfg, spec, backend=backend, model_config=model_config)
+    clear_failure(extractor.shard_dir)
+    try:
+        return extractor.run()
+    except BaseException as e:  # a kill by Airflow (SIGTERM) too; SIGKILL leaves nothing, the view then asks Airflow
+        extractor.shard_dir.mkdir(parents=True, exist_ok=True)
+        record_failure(extractor.shard_dir, e, try_number)
+        raise

@@ -15,7 +15,8 @@ from eagle3.knobs import check_knobs, knob
 TRAINING, EVALUATION = "Training", "Evaluation"
 
 # Params that change how a run goes, not what it produces: a finished run with other values is reused.
-_NOT_IN_FINGERPRINT = ("device", "log_every", "log_every_s", "checkpoint_every", "keep_checkpoints", "compile")
+_NOT_IN_FINGERPRINT = ("device", "log_every", "log_every_s", "checkpoint_every", "keep_checkpoints", "compile",
+                       "mlflow_tracking_uri", "mlflow_experiment")
 
 
 @dataclass
@@ -49,6 +50,9 @@ class TrainConfig:
     log_every_s: float = knob(10.0, min=0, help="A progress line in the task log at most this often (seconds).")
     compile: bool = knob(True, help="torch.compile the TTT loss on GPU.")
     pad_multiple: int = knob(256, min=1, help="Compiled: pad batch lengths to pad_multiple * 2^j (few graphs).")
+    mlflow_tracking_uri: str = knob("", help="Also log the metrics to MLflow here (the operator sets it from an "
+                                             "Airflow Connection); TensorBoard event files are always written.")
+    mlflow_experiment: str = knob("eagle3", help="The MLflow experiment of the run.")
 
     def __post_init__(self) -> None:
         check_knobs(self, "train")

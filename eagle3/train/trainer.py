@@ -35,6 +35,7 @@ from eagle3.train.batches import BatchOrder, collate, count_truncation, to_devic
 from eagle3.train.checkpoint import Checkpoints
 from eagle3.train.config import TrainConfig
 from eagle3.train.model import DrafterConfig, Eagle3Drafter
+from eagle3.train.tracking import MetricsTracker, tracking_params
 from eagle3.train.vocab import VOCAB_FILE, count_tokens, load_or_build_vocab
 
 log = logging.getLogger(__name__)
@@ -223,7 +224,9 @@ def train(cfg: TrainConfig) -> dict:
     stream = micro_batches()
     drafter.train()
     start_step, last_log = pos.step, time.time()
-    with open(metrics_path, "a") as mf:
+    tracker = MetricsTracker(out, pos.step, mlflow_uri=cfg.mlflow_tracking_uri, mlflow_experiment=cfg.mlflow_experiment,
+                             params=tracking_params(cfg))
+    with open(metrics_path, "a") as mf, tracker:  # the tracker closes its MLflow run as FAILED on an exception
         while pos.step < total_steps:
             opt.zero_grad(set_to_none=True)
             sums = torch.zeros(cfg.ttt_steps, 3, dtype=torch.float64)
@@ -252,6 +255,7 @@ def train(cfg: TrainConfig) -> dict:
                 }
                 mf.write(json.dumps(rec) + "\n")
                 mf.flush()
+                tracker.log(rec)
             now = time.time()
             if now - last_log >= cfg.log_every_s or step == total_steps:  # the task log: progress, rate, ETA
                 last_log = now
