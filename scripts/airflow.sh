@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The Airflow UI on this machine, ready to use: `airflow standalone` (SQLite + LocalExecutor) in the background.
-#   bash scripts/airflow.sh start     migrate the DB, pool `gpu` = the GPUs found (1 on a CPU-only machine),
-#                                     login admin / admin, start, wait until healthy, unpause eagle3_drafter
+#   bash scripts/airflow.sh start     the target model converted once, the DB migrated, pool `gpu` = the GPUs
+#                                     found (1 on a CPU-only machine), login admin / admin, start, wait until
+#                                     healthy, unpause eagle3_drafter
 #   bash scripts/airflow.sh status    running or not, and the health of its parts
 #   bash scripts/airflow.sh stop      stop it and everything it started (tasks included)
 # Settings (environment): EAGLE3_AIRFLOW_PORT (8080), EAGLE3_ADMIN_PASSWORD (admin), AIRFLOW_HOME (.airflow),
@@ -57,6 +58,8 @@ stop() {
 
 start() {
   if running; then echo "airflow standalone is already running (pid $(cat "$PIDFILE"))"; print_login; return 0; fi
+  command -v airflow >/dev/null || { echo "no airflow in $EAGLE3_VENV: run bash scripts/setup.sh server first" >&2; exit 1; }
+  python -m eagle3 prepare-model >/dev/null  # the default model_path (converted once, then a quick check)
   mkdir -p "$AIRFLOW_HOME"
   python -c 'import json,sys; json.dump({sys.argv[1]: sys.argv[2]}, open(sys.argv[3], "w"))' \
     "$USER_NAME" "$PASSWORD" "$AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_PASSWORDS_FILE"
