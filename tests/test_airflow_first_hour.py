@@ -86,7 +86,7 @@ def test_missing_pool_fails_preflight_with_the_reason(standalone):
         assert ti["try_number"] == 1  # a config error: not retried
         assert api.wait_run(DAG_ID, run_id, timeout=60)["state"] == "failed"
         assert time.monotonic() - t0 < 200
-        text = "\n".join(str(e.get("event")) for e in task_log(api, run_id, "preflight", -1, 1))
+        text = "\n".join(json.dumps(e) for e in task_log(api, run_id, "preflight", -1, 1))  # with the exception
         assert "pool 'gpu' does not exist" in text and "['evaluate', 'extract', 'train']" in text, text[-3000:]
         assert "airflow pools set gpu" in text
         states = api.task_states(DAG_ID, run_id)
@@ -166,6 +166,9 @@ def test_first_hour_in_the_browser(standalone):
         assert sorted(affected) == [("evaluate", "-1"), ("extract", "1"), ("train", "-1")], affected
         d.save_screenshot(str(ARTIFACTS / "03-clear-dialog.png"))
         [b for b in clear.find_elements(By.CSS_SELECTOR, "button") if b.text.strip() == "Confirm"][0].click()
+        # the clear takes effect when the UI's request lands: until then the run still reads "failed"
+        api.wait_task(DAG_ID, run_id, "extract", 1, states=(None, "scheduled", "queued", "running", "success"),
+                      timeout=60)
 
         run = api.wait_run(DAG_ID, run_id, states=("success", "failed"), timeout=480)
         d.get(f"{base}/dags/{DAG_ID}/runs/{run_id}")
