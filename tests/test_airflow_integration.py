@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import time
 from urllib.parse import urlencode
 from datetime import datetime
@@ -19,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from airflow_harness import AirflowCluster, ApiError, MetadataDB
+from browser import chromium, log_in, wait_for
 from eagle3.config import form_params
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -191,42 +191,11 @@ def test_failed_shard_is_cleared_alone_and_resumes(local_airflow, tmp_path):
     assert requests.get(page.url, timeout=30).status_code in (401, 403)  # no login, no page
 
 
-CHROMEDRIVER = shutil.which("chromedriver")
-
-
 @pytest.fixture
 def browser():
-    if not CHROMEDRIVER or not (shutil.which("chromium") or shutil.which("chromium-browser")):
-        pytest.fail("chromium/chromedriver missing: run `bash scripts/setup.sh test` (installs them)")
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
-
-    opts = webdriver.ChromeOptions()
-    for a in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu", "--window-size=1400,1000"):
-        opts.add_argument(a)
-    opts.binary_location = shutil.which("chromium") or shutil.which("chromium-browser")
-    driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=opts)
-    driver.implicitly_wait(0)
+    driver = chromium()
     yield driver
     driver.quit()
-
-
-def wait_for(driver, css: str, timeout: float = 40, visible_text: str | None = None):
-    from selenium.common.exceptions import StaleElementReferenceException
-    from selenium.webdriver.common.by import By
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            els = [e for e in driver.find_elements(By.CSS_SELECTOR, css) if e.is_displayed()]
-            if visible_text is not None:
-                els = [e for e in els if visible_text in e.text]
-        except StaleElementReferenceException:  # the UI re-rendered between finding and reading: look again
-            els = []
-        if els:
-            return els[0]
-        time.sleep(0.3)
-    raise TimeoutError(f"{css!r} ({visible_text!r}) not shown on {driver.current_url}")
 
 
 def test_browser_login_trigger_form_and_plugin_page(local_airflow, browser, tmp_path):
@@ -251,15 +220,7 @@ def test_browser_login_trigger_form_and_plugin_page(local_airflow, browser, tmp_
     browser.get(base + "/")
     wait_for(browser, "input[type=password]")
     browser.save_screenshot(str(out / "01-login.png"))
-    user = browser.find_elements(By.CSS_SELECTOR, "input:not([type=password])")[0]
-    user.send_keys("admin")
-    browser.find_element(By.CSS_SELECTOR, "input[type=password]").send_keys("admin")
-    browser.find_element(By.CSS_SELECTOR, "button[type=submit]").click()
-    deadline = time.monotonic() + 40
-    while "/auth/" in browser.current_url and time.monotonic() < deadline:
-        time.sleep(0.3)
-    assert "/auth/" not in browser.current_url, "login did not leave the login page"
-    assert browser.get_cookie("_token"), "no session cookie after login"
+    log_in(browser, base, "admin", "admin")
 
     # the DAG page and its trigger form (built from the DAG's params)
     browser.get(f"{base}/dags/{DAG_ID}")
@@ -287,7 +248,7 @@ def test_browser_login_trigger_form_and_plugin_page(local_airflow, browser, tmp_
         if new:
             break
         time.sleep(0.5)
-    assert new and new[0]["conf"].get("num_shards", 4) == 4, new
+    assert new and new[0]["conf"].get("num_shards", 2) == 2, new
     browser.save_screenshot(str(out / "02b-after-trigger.png"))
 
     # the plugin's shard view inside the UI (run page entry), then the page itself
