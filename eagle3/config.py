@@ -80,9 +80,9 @@ def default_eval_prompts() -> str:
 
 
 # Form-only defaults: what the trigger form shows where the core's own default is no file of this repo. The
-# evaluation stays a few answers (2 MT-bench questions, round-robin over categories: 4 answers) so a CPU run
-# stays quick; a GPU run sets eval_max_prompts 0 for all 80 questions.
-FORM_DEFAULTS = {"eval_prompts": default_eval_prompts, "eval_max_prompts": 2}
+# evaluation stays small (1 MT-bench question: 2 answers, at 2 ks, no more decoding than the former 4 one-turn
+# prompts at one k) so a CPU run is not slower; a GPU run sets eval_max_prompts 0 for all 80 questions.
+FORM_DEFAULTS = {"eval_prompts": default_eval_prompts, "eval_max_prompts": 1}
 
 FORM_SECTIONS = ("Run", "Data generation", "Merge", "Extraction", "Training", "Evaluation")
 FORM_CLASSES = (RunConfig, PreflightConfig, DatagenConfig, MergeConfig, ShardPlanConfig, ExtractConfig, TrainConfig,
