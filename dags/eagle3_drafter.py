@@ -17,7 +17,7 @@ from datetime import timedelta
 
 from airflow.sdk import DAG, Param, task
 
-from eagle3.config import form_params, phase_template, run_dir
+from eagle3.config import form_params, gpu_slots, phase_template, run_dir
 from operators.datagen import DatagenOperator
 from operators.extract import ExtractShardOperator, PlanShardsOperator
 from operators.merge import MergeOperator
@@ -29,6 +29,11 @@ GPU_POOL = "gpu"  # one slot per GPU: at most that many GPU tasks at once
 # Automatic retries of a shard (each resumes from its committed chunks). Drills that fail a shard
 # on purpose and clear it by hand set 0 so the failure stays visible.
 SHARD_RETRIES = int(os.environ.get("EAGLE3_SHARD_RETRIES", "3"))
+# gpu pool slots per task, fixed at parse time (the scheduler reserves them before a task runs):
+# EAGLE3_EXTRACT_TP_SIZE (a shard's tensor-parallel ranks) and EAGLE3_DATAGEN_GPUS (a local datagen server's GPUs)
+GPU_SLOTS = gpu_slots()
+DATAGEN_ON_GPUS = ({"queue": GPU_QUEUE, "pool": GPU_POOL, "pool_slots": GPU_SLOTS["datagen"]}
+                   if GPU_SLOTS["datagen"] else {})
 
 # The trigger form, generated from the phase configs' knobs (eagle3.config): one definition per param.
 PARAMS = {name: Param(p["default"], section=p["section"], description=p["description"], **p["schema"])
@@ -57,6 +62,7 @@ with DAG(
         task_id="preflight",
         config=phase_template("preflight"),
         run_params="{{ params }}",
+        gpu_slots=GPU_SLOTS,  # the form's extract_tp_size must fit the extract task's slots
         retries=0,  # a failed check does not fix itself
         execution_timeout=timedelta(minutes=10),
     )
@@ -72,6 +78,7 @@ with DAG(
         task_id="datagen",
         config=phase_template("datagen"),
         max_active_tis_per_dagrun=2,  # local mode starts one server per task
+        **DATAGEN_ON_GPUS,
     ).expand(dataset=datasets)
 
     merge = MergeOperator(task_id="merge", config=phase_template("merge"))
@@ -82,6 +89,7 @@ with DAG(
         task_id="extract",
         queue=GPU_QUEUE,
         pool=GPU_POOL,
+        pool_slots=GPU_SLOTS["extract"],  # tp_size ranks, one GPU each
         config=phase_template("extract"),
         retries=SHARD_RETRIES,  # a killed or faulted shard resumes from its last committed chunk
         max_active_tis_per_dagrun=64,
