@@ -32,7 +32,8 @@ def test_two_turn_mtbench_questions_through_the_real_server(llama_server, smollm
     assert rep["missing"] == 0 and rep["rows"] == 2
     gens = [json.loads(x) for x in (tmp_path / "MT" / "generations.jsonl").read_text().splitlines()]
     questions = {json.loads(x)["question_id"]: json.loads(x) for x in lines}
-    rows = {json.loads(x)["sample_id"]: json.loads(x) for x in (tmp_path / "MT" / "tokenized.jsonl").read_text().splitlines()}
+    tokenized = (tmp_path / "MT" / "tokenized.jsonl").read_text().splitlines()
+    rows = {json.loads(x)["sample_id"]: json.loads(x) for x in tokenized}
     for g in sorted(gens, key=lambda g: g["line"]):
         q = questions[SHORT_ANSWER_IDS[g["line"] - 1]]
         msgs = g["messages"]
