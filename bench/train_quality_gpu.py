@@ -6,8 +6,9 @@
     -> merge phase (run_merge: dedup, shuffle, length cap)
     -> extraction phase (plan_shards + extract_shard on the GPU, bf16, [2, 15, 27] + final state)
     -> training phase (train_phase on the GPU: TTT K=7, draft vocab, export for SGLang)
-    -> evaluation phase (evaluate_phase on the GPU: held-out prompts, k=5, lossless check, random floor;
-       tau also over the first 64/128 tokens and split by answers ending with eos vs. hitting the cap)
+    -> evaluation phase (evaluate_phase on the GPU: MT-bench with --eval-prompts mtbench, both turns, else
+       held-out templated prompts; k=5 and 7, lossless check, random floor; tau per turn and category, over
+       answers ending with eos, the share hitting max_new_tokens, over the first 64/128 tokens)
 
 Every stage skips what is already done (answers are saved in parts; the phases are idempotent and
 resumable), so a re-run after a crash or a timeout continues where it stopped. The summary, the
@@ -133,7 +134,10 @@ def main() -> None:
     ap.add_argument("--compile", action="store_true", help="torch.compile the TTT loss (default: eager)")
     ap.add_argument("--eval-new-tokens", type=int, default=128)
     ap.add_argument("--floor-prompts", type=int, default=8)
-    ap.add_argument("--k", type=int, default=5)
+    ap.add_argument("--ks", type=lambda v: [int(x) for x in v.split(",")], default=[5, 7])
+    ap.add_argument("--eval-prompts", default="", help="mtbench or a JSONL file (default: held-out templated prompts)")
+    ap.add_argument("--eval-max-prompts", type=int, default=0, help="conversations evaluated (0 = all)")
+    ap.add_argument("--decoder", default="sequential", help="the evaluation's speculative decoder")
     args = ap.parse_args()
     work, out = Path(args.work), Path(args.out)
     work.mkdir(parents=True, exist_ok=True)
@@ -173,15 +177,16 @@ def main() -> None:
     lossless_failure = None
     try:
         ev = evaluate_phase(EvalConfig(export_dir=train["export_dir"], model_path=str(model_path),
-                                       output_dir=str(work / "evaluate"), k=args.k, max_new_tokens=args.eval_new_tokens,
-                                       prompts=sd.make_prompts(args.heldout, offset=args.prompts),
-                                       floor_max_prompts=args.floor_prompts))
+                                       output_dir=str(work / "evaluate"), ks=args.ks, max_new_tokens=args.eval_new_tokens,
+                                       prompts=[] if args.eval_prompts else sd.make_prompts(args.heldout, offset=args.prompts),
+                                       prompts_file=args.eval_prompts, max_prompts=args.eval_max_prompts,
+                                       decoder=args.decoder, floor_max_prompts=args.floor_prompts))
     except PipelineError as e:  # keep the measured figures: the phase wrote them before failing
         lossless_failure = str(e)
         ev = read_json(work / "evaluate" / "report.failed.json")
     times["eval_s"] = round(time.time() - t, 1)
 
-    tr = ev["results"]["trained"]
+    by_k = ev["results"]["trained"]["by_k"]
     summary = {
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "argv": sys.argv[1:], "torch": torch.__version__,
         "device": torch.cuda.get_device_name(0) if device == "cuda" else "cpu",
@@ -193,9 +198,13 @@ def main() -> None:
         "last": train["last"],
         "tau": ev["tau"], "tau_random_init": ev["tau_random_init"], "identical_to_greedy": ev["identical_to_greedy"],
         "lossless_failure": lossless_failure,
-        "acceptance_rate_by_position": tr["acceptance_rate_by_position"], "accepted_at_least": tr["accepted_at_least"],
-        "tau_breakdown": tr["tau_breakdown"],
-        "eval_prompts": tr["prompts"], "eval_new_tokens": tr["new_tokens"], "times": times,
+        "tau_ended_with_eos": ev["tau_ended_with_eos"], "share_hit_cap": ev["share_hit_cap"],
+        "tau_per_turn": ev["tau_per_turn"], "tau_per_category": ev["tau_per_category"],
+        "acceptance_rate_by_position": {k: r["acceptance_rate_by_position"] for k, r in by_k.items()},
+        "tau_breakdown": {k: r["tau_breakdown"] for k, r in by_k.items()},
+        "eval_conversations": ev["conversations"], "eval_answers": ev["answers"],
+        "eval_new_tokens": {k: r["new_tokens"] for k, r in by_k.items()},
+        "eval_seconds": ev["results"]["trained"]["seconds"], "times": times,
     }
     (out / "quality_gpu.json").write_text(json.dumps(summary, indent=1))
     for src_file in (work / "train" / "training.png", work / "evaluate" / "acceptance.png",

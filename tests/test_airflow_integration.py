@@ -54,7 +54,7 @@ def real_conf(root: Path, run_name: str) -> dict:
         # 0.3 MiB = 34 fp32 tokens, so each forward batch (<= 256 tokens) is its own chunk: >= 2 chunks a shard
         "num_shards": 2, "chunk_mb": 0.3, "token_budget": 256,
         "max_steps": 2, "batch_size": 2, "ttt_steps": 2, "train_overrides": {"checkpoint_every": 1},
-        "eval_prompts_file": str(eval_prompts), "eval_k": 2, "eval_max_new_tokens": 8,
+        "eval_prompts": str(eval_prompts), "eval_ks": [2], "eval_max_new_tokens": 8,
     }
 
 
@@ -144,7 +144,7 @@ def test_failed_shard_is_cleared_alone_and_resumes(local_airflow, tmp_path):
     assert reader.num_samples == merged["rows"] and reader.num_tokens == merged["tokens"]
     assert sorted(s.row for s in reader) == list(range(merged["rows"]))  # every row once, none lost or doubled
     evaluation = api.xcom(DAG_ID, run_id, "evaluate")
-    assert evaluation["identical_to_greedy"] is True and evaluation["tau"] >= 1.0
+    assert evaluation["identical_to_greedy"] is True and evaluation["tau"]["2"] >= 1.0
     assert (run_dir / "train" / "export" / "config.json").is_file()
     local_airflow.finished_run = run_id
 
