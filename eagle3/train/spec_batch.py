@@ -65,6 +65,7 @@ class BatchedSpeculativeDecoder:
         self.device = target.device
         self.d2t = vocab.d2t.to(self.device)
         self.batch_size, self.tie_tol = batch_size, tie_tol
+        self.packs = 0  # times the caches were packed (a test checks the path runs)
         if target.config.hidden_size != drafter.cfg.hidden_size:
             raise PipelineError(f"drafter hidden_size {drafter.cfg.hidden_size} != target hidden_size "
                                 f"{target.config.hidden_size}")
@@ -166,24 +167,23 @@ class BatchedSpeculativeDecoder:
                 hist[r].append(acc)
                 new[r] += toks[: acc + 1]
             keep = [i for i, r in enumerate(rows) if not self._done(new[r], max_new_tokens)]
-            tmask, dcache = self._maybe_pack(tmask, tcache, dcache)
+            if tmask.numel() and (tmask == 0).float().mean() > 0.25:
+                tmask, dcache = self._pack(tmask, tcache, dcache)
         return [(_cut(new[r], max_new_tokens, self.eos_id), hist[r]) for r in range(B)]
 
     def _done(self, tokens: list[int], max_new_tokens: int) -> bool:
         return len(tokens) >= max_new_tokens or (self.eos_id is not None and self.eos_id in tokens)
 
-    @staticmethod
-    def _maybe_pack(tmask, tcache, dcache):
-        """Drop the rejected slots of both caches once they are a quarter of the target cache."""
-        if tmask.numel() and (tmask == 0).float().mean() > 0.25:
-            idx, tmask = _pack_index(tmask)
-            for layer in tcache.layers:
-                g = idx[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[3])
-                layer.keys, layer.values = layer.keys.gather(2, g), layer.values.gather(2, g)
-            didx, dvalid = _pack_index(dcache["valid"])
-            g = didx[:, None, :, None].expand(-1, dcache["k"].shape[1], -1, dcache["k"].shape[3])
-            dcache = {"k": dcache["k"].gather(2, g), "v": dcache["v"].gather(2, g), "valid": dvalid}
-        return tmask, dcache
+    def _pack(self, tmask, tcache, dcache):
+        """Drop the rejected slots of both caches (each row's valid slots right-aligned, order kept)."""
+        self.packs += 1
+        idx, tmask = _pack_index(tmask)
+        for layer in tcache.layers:
+            g = idx[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[3])
+            layer.keys, layer.values = layer.keys.gather(2, g), layer.values.gather(2, g)
+        didx, dvalid = _pack_index(dcache["valid"])
+        g = didx[:, None, :, None].expand(-1, dcache["k"].shape[1], -1, dcache["k"].shape[3])
+        return tmask, {"k": dcache["k"].gather(2, g), "v": dcache["v"].gather(2, g), "valid": dvalid}
 
 
 @torch.no_grad()
@@ -241,3 +241,46 @@ def check_summary(results: list[dict | None]) -> tuple[list[int], int]:
     bad = [i for i, r in enumerate(results) if r is not None and "reason" in r]
     ties = sum(r["ties"] for r in results if r is not None and "ties" in r)
     return bad, ties
+
+
+class BatchedDecoder:
+    """The evaluation's decoder interface (eagle3.train.evaluation.DECODERS), batched.
+
+    `greedy` needs no plain generation: it speculates at `reference_k` and verifies every answer by teacher
+    forcing; an answer the check rejects (a decoder bug) is replaced by HF greedy generate's, so the
+    evaluation's comparison with the reference reports it as not lossless. Answers are kept per (prompt,
+    max_new_tokens, k), so the evaluation's pass at reference_k reuses the verified answers."""
+
+    def __init__(self, target, drafter, vocab, capture_layers, eos_id, reference_k: int = 5, **kw):
+        self.spec = BatchedSpeculativeDecoder(target, drafter, vocab, capture_layers, eos_id, **kw)
+        self.reference_k = reference_k
+        self.check = {"answers": 0, "not_greedy": 0, "tie_tokens": 0}
+        self._answers: dict = {}
+
+    def _speculate(self, prompts, max_new_tokens: int, k: int):
+        from eagle3.train.speculative import Answer
+
+        keys = [(tuple(p), max_new_tokens, k) for p in prompts]
+        todo = list(dict.fromkeys(key for key in keys if key not in self._answers))
+        for key, (tokens, hist) in zip(todo, self.spec.generate([list(key[0]) for key in todo], max_new_tokens, k)):
+            self._answers[key] = Answer(tokens, hist)
+        return [self._answers[key] for key in keys]
+
+    def speculate(self, prompts: list[list[int]], max_new_tokens: int, k: int):
+        return self._speculate(prompts, max_new_tokens, k)
+
+    def greedy(self, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+        answers = [a.tokens for a in self._speculate(prompts, max_new_tokens, self.reference_k)]
+        t = self.spec.target
+        results = teacher_forced_check(t, prompts, answers, max_new_tokens, self.spec.eos_id, self.spec.tie_tol)
+        bad, ties = check_summary(results)
+        self.check["answers"] += len(prompts)
+        self.check["not_greedy"] += len(bad)
+        self.check["tie_tokens"] += ties
+        for i in bad:
+            log.error("speculative answer %d is not greedy: %s; reference from HF generate", i, results[i])
+            x = torch.tensor([prompts[i]], device=t.device)
+            out = t.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new_tokens, do_sample=False,
+                             eos_token_id=self.spec.eos_id, pad_token_id=self.spec.pad_id)
+            answers[i] = _cut(out[0, x.shape[1]:].tolist(), max_new_tokens, self.spec.eos_id)
+        return answers
