@@ -192,7 +192,7 @@ def main() -> None:
     greedy_parts = -(-answered // args.part_size)
     shards_of: dict = {}
     for v in variants:
-        if not clock.allows("variant", v.cost):
+        if not clock.allows("variant", v.cost) and not (work / f"eval-{v.name}" / "report.json").is_file():
             rows.append(v.row(status="not run (deadline)"))
             write_table(out, meta, rows, variants)
             continue

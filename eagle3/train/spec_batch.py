@@ -72,9 +72,9 @@ class BatchedSpeculativeDecoder:
 
     # ------------------------------------------------------------------ one forward of each model
 
-    def _target(self, ids, attn_mask, positions, cache):
+    def _target(self, ids, attn_mask, positions, cache, logits_to_keep: int = 0):
         out = self.target(input_ids=ids, attention_mask=attn_mask, position_ids=positions, past_key_values=cache,
-                          use_cache=True, output_hidden_states=True)
+                          use_cache=True, output_hidden_states=True, logits_to_keep=logits_to_keep)
         aux = torch.cat([out.hidden_states[i] for i in self.capture_layers], -1).float()
         return out.logits.argmax(-1), aux
 
@@ -123,7 +123,7 @@ class BatchedSpeculativeDecoder:
         ids, tmask = _left_pad(prompts, self.pad_id, dev)
         pos = (tmask.cumsum(1) - 1).clamp(min=0)
         tcache = DynamicCache()
-        greedy, aux = self._target(ids, tmask, pos, tcache)
+        greedy, aux = self._target(ids, tmask, pos, tcache, logits_to_keep=1)  # prefill: the last logits only
         last = greedy[:, -1]  # the first new token of every row
         dcache: dict = {}
         nxt, state = self._draft(torch.cat([ids[:, 1:], last[:, None]], 1), aux, pos, dcache, tmask.bool(), True)
