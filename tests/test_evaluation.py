@@ -150,11 +150,11 @@ def test_evaluation_writes_its_report_then_fails_when_not_lossless(trained, smol
     """A speculative answer that differs from greedy decoding fails the phase, naming k, question and turn,
     after every answer ran and the report (with the mismatches) was written; no report.json a re-run would
     take as done. The fault is injected into the decoder's output (turn 2 of the second question, k=3)."""
-    from eagle3.train import speculative
+    from eagle3.train import spec_batch
     from eagle3.train.config import EvalConfig
     from eagle3.train.run import evaluate_phase
 
-    real = speculative.SequentialDecoder.speculate
+    real = spec_batch.BatchedDecoder.speculate  # the DAG's decoder
 
     def one_wrong_token(self, prompts, max_new_tokens, k):
         out = real(self, prompts, max_new_tokens, k)
@@ -162,7 +162,7 @@ def test_evaluation_writes_its_report_then_fails_when_not_lossless(trained, smol
             out[3] = Answer(out[3].tokens[:2] + [out[3].tokens[2] + 1] + out[3].tokens[3:], out[3].accepted_per_round)
         return out
 
-    monkeypatch.setattr(speculative.SequentialDecoder, "speculate", one_wrong_token)
+    monkeypatch.setattr(spec_batch.BatchedDecoder, "speculate", one_wrong_token)
     cfg = EvalConfig(export_dir=trained[1]["export_dir"], model_path=str(smollm2_path), output_dir=str(tmp_path),
                      prompts_file=str(two_questions(tmp_path)), ks=[2, 3], max_new_tokens=8, random_floor=False)
     with pytest.raises(PipelineError, match=r"not lossless\) on 1 of 8 answers.*'k': 3, .*'turn': 2, "

@@ -82,8 +82,9 @@ class EvalConfig:
                                help="Tokens generated per answer (each turn).")
     max_prompts: int = knob(0, min=0, param="eval_max_prompts", section=EVALUATION,
                             help="Evaluate N conversations, taken round-robin over categories (0 = all).")
-    decoder: str = knob("sequential", choices=("sequential",),
-                        help="Speculative decoder (eagle3.train.evaluation.DECODERS).")
+    decoder: str = knob("batched", choices=("batched", "sequential"),
+                        help="Speculative decoder (eagle3.train.evaluation.DECODERS): batched (many answers at "
+                             "once, lossless by a teacher-forced check); sequential (one at a time, for the bench).")
     random_floor: bool = knob(True, help="Also evaluate a randomly initialised drafter of the same shape.")
     floor_max_prompts: int = knob(0, min=0, help="The random floor (at the first k) on the first N answers only "
                                                  "(0 = all): slow.")

@@ -30,7 +30,8 @@ from eagle3.train.speculative import Answer, SpecStats, tau_breakdown, tau_of
 MTBENCH = "mtbench"  # EvalConfig.prompts_file value: MT-bench's 80 questions from the public-data extra
 
 # name -> "module:class"; imported on use so a decoder's own needs stay out of the others' way
-DECODERS = {"sequential": "eagle3.train.speculative:SequentialDecoder"}
+DECODERS = {"batched": "eagle3.train.spec_batch:BatchedDecoder",
+            "sequential": "eagle3.train.speculative:SequentialDecoder"}
 
 
 def make_decoder(name: str, target, drafter, vocab, capture_layers, eos_id):
