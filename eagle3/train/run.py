@@ -79,7 +79,7 @@ def train_phase(cfg: TrainConfig) -> dict:
         return done
     record.invalidate()
     res = train(cfg)
-    problems = serving_problems(res["capture_layers"], res["info"].model_type)
+    problems = serving_problems(res["capture_layers"], res["info"].architecture)
     for p in problems:
         log.warning("%s", p)
     export_drafter(res["drafter"], res["vocab"], res["info"], res["capture_layers"], export_dir)
