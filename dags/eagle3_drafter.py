@@ -29,6 +29,9 @@ GPU_POOL = "gpu"  # one slot per GPU: at most that many GPU tasks at once
 # Automatic retries of a shard (each resumes from its committed chunks). Drills that fail a shard
 # on purpose and clear it by hand set 0 so the failure stays visible.
 SHARD_RETRIES = int(os.environ.get("EAGLE3_SHARD_RETRIES", "3"))
+# Slots of the gpu pool the train task holds: the most GPUs a run may train on (form param train_num_gpus; the
+# task refuses more). Airflow fixes pool_slots when the DAG is parsed, so it cannot follow a run's form value.
+TRAIN_GPU_SLOTS = int(os.environ.get("EAGLE3_TRAIN_GPU_SLOTS", "1"))
 
 # The trigger form, generated from the phase configs' knobs (eagle3.config): one definition per param.
 PARAMS = {name: Param(p["default"], section=p["section"], description=p["description"], **p["schema"])
@@ -92,6 +95,7 @@ with DAG(
         task_id="train",
         queue=GPU_QUEUE,
         pool=GPU_POOL,
+        pool_slots=TRAIN_GPU_SLOTS,
         config=phase_template("train"),
         shard_dirs=extract.output,
         overrides="{{ params.train_overrides }}",

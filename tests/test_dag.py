@@ -30,6 +30,7 @@ def test_gpu_tasks_use_the_gpu_queue_and_pool_and_shards_are_mapped(dag):
     for tid in ("extract", "train", "evaluate"):
         t = dag.task_dict[tid]
         assert (t.queue, t.pool) == ("gpu", "gpu"), tid
+    assert dag.task_dict["train"].pool_slots == 1  # EAGLE3_TRAIN_GPU_SLOTS unset: training on one GPU
     from airflow.sdk.definitions.mappedoperator import MappedOperator
 
     assert isinstance(dag.task_dict["extract"], MappedOperator)
@@ -119,6 +120,11 @@ def test_a_config_error_fails_the_task_without_retries(tmp_path):
     op = TrainDrafterOperator(task_id="train", config={"model_path": "m", "output_dir": str(tmp_path / "t")},
                               shard_dirs=[str(tmp_path)], overrides={"lerning_rate": 1e-3})
     with pytest.raises(AirflowFailException, match="lerning_rate"):
+        op.execute({})
+    # more training ranks than the gpu-pool slots the task holds: refused before any work, naming both
+    op = TrainDrafterOperator(task_id="train", config={"model_path": "m", "output_dir": str(tmp_path / "t")},
+                              shard_dirs=[str(tmp_path)], overrides={"num_gpus": 2}, pool="gpu", pool_slots=1)
+    with pytest.raises(AirflowFailException, match=r"train_num_gpus=2.*holds 1 slot.*EAGLE3_TRAIN_GPU_SLOTS"):
         op.execute({})
 
 

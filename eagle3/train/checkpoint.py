@@ -75,12 +75,14 @@ class Checkpoints:
             old.unlink(missing_ok=True)
         return path
 
-    def restore(self, model, optimizer, scheduler, metrics_path: Path) -> Position:
+    def restore(self, model, optimizer, scheduler, metrics_path: Path | None) -> Position:
         """Load the latest checkpoint into the objects and cut the metrics back to it; without one, start
-        afresh (the metrics of an earlier run in this folder are removed)."""
+        afresh (the metrics of an earlier run in this folder are removed). metrics_path None: the metrics are
+        another process's (ranks other than 0 of a distributed run)."""
         path = self.latest()
         if path is None:
-            metrics_path.unlink(missing_ok=True)
+            if metrics_path is not None:
+                metrics_path.unlink(missing_ok=True)
             return Position()
         ck = torch.load(path, map_location="cpu", weights_only=False)
         if ck["fingerprint"] != self.fingerprint:
@@ -91,6 +93,16 @@ class Checkpoints:
         scheduler.load_state_dict(ck["scheduler"])
         set_rng_state(ck["rng"])
         pos = Position(ck["step"], ck["epoch"], ck["batch_pos"])
-        truncate_metrics(metrics_path, pos.step)
+        if metrics_path is not None:
+            truncate_metrics(metrics_path, pos.step)
         log.info("resumed from %s at step %d (epoch %d, batch %d)", path, pos.step, pos.epoch, pos.batch_pos)
         return pos
+
+    def load_model(self, model) -> int:
+        """Load only the model of the latest checkpoint; returns its step."""
+        path = self.latest()
+        if path is None:
+            raise PipelineError(f"{self.folder}: no checkpoint")
+        ck = torch.load(path, map_location="cpu", weights_only=False)
+        model.load_state_dict(ck["model"])
+        return int(ck["step"])

@@ -198,6 +198,10 @@ class Eagle3Drafter(nn.Module):
             all_logits.append(self.logits(hidden))
         return all_logits
 
+    def forward(self, aux: torch.Tensor, embeds_per_step: list, positions: torch.Tensor):
+        """= ttt_forward: the training call, which DistributedDataParallel wraps (it syncs gradients of forward)."""
+        return self.ttt_forward(aux, embeds_per_step, positions)
+
     @torch.no_grad()
     def forward_cached(self, embeds, hidden, positions, cache: dict, fuse: bool):
         """Inference: new slots [B, S] attend to every cached slot plus the new ones causally.
