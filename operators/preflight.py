@@ -16,16 +16,18 @@ class PreflightOperator(Eagle3Operator[PreflightConfig]):
     template_fields: Sequence[str] = ("config", "run_params")
     ui_color = "#e8f4d9"
 
-    def __init__(self, *, run_params: Mapping[str, Any] | str | None = None, **kwargs: Any) -> None:
+    def __init__(self, *, run_params: Mapping[str, Any] | str | None = None,
+                 gpu_slots: Mapping[str, int] | None = None, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.run_params = run_params  # the whole trigger form ("{{ params }}"): checked across phases first
+        self.gpu_slots = gpu_slots  # the DAG's gpu pool slots per task (eagle3.config.gpu_slots)
 
     def run(self, cfg: PreflightConfig, context: Context) -> dict:
         from eagle3.config import check_run
         from eagle3.preflight import run_preflight
         from operators._render import rendered
 
-        facts = check_run(rendered(self.run_params), context["run_id"]) if self.run_params else {}
+        facts = check_run(rendered(self.run_params), context["run_id"], self.gpu_slots) if self.run_params else {}
         report = run_preflight(cfg)
         model = report["model"]
         return {
