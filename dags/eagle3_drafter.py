@@ -112,6 +112,7 @@ with DAG(
         task_id="evaluate",
         queue=GPU_QUEUE,
         pool=GPU_POOL,
+        pool_slots=GPU_SLOTS["extract"],  # the target in extract_tp_size ranks, as extraction ran it
         config=phase_template("evaluate"),
     )
 

@@ -162,7 +162,8 @@ PHASE_SOURCES: dict[str, dict[str, Any]] = {
                 "capture_layers": ModelFact("capture_layers")},
     # the training cap is merge's cap: samples merge kept whole are trained whole
     "train": {"model_path": MODEL, "output_dir": InRunDir("train"), "max_seq_len": FromParam("max_seq_len")},
-    "evaluate": {"export_dir": InRunDir("train/export"), "model_path": MODEL, "output_dir": InRunDir("evaluate")},
+    "evaluate": {"export_dir": InRunDir("train/export"), "model_path": MODEL, "output_dir": InRunDir("evaluate"),
+                 "tp_size": FromParam("extract_tp_size")},  # the target on as many GPUs as extraction used
 }
 
 

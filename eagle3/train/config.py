@@ -89,6 +89,11 @@ class EvalConfig:
     floor_max_prompts: int = knob(0, min=0, help="The random floor on the first N prompts only (0 = all): slow.")
     seed: int = knob(0, min=0, help="Seed of the random-floor drafter.")
     device: str = knob("auto", help="auto = cuda when available; the target runs in fp32 there too.")
+    # the run configuration sets it from the form's extract_tp_size: a target extraction needed N GPUs for needs
+    # them here too (eagle3.config.PHASE_SOURCES)
+    tp_size: int = knob(1, min=1, max=64, help="Tensor-parallel ranks of the target (transformers' tp_plan); the "
+                                               "drafter runs replicated in every rank.")
+    rank_timeout_s: float = knob(600.0, gt=0, help="tp_size > 1: a collective that waits longer fails the run.")
 
     def __post_init__(self) -> None:
         check_knobs(self, "eval")

@@ -92,11 +92,11 @@ def wrap(drafter: torch.nn.Module, ranks: Ranks, device: torch.device) -> torch.
     return DistributedDataParallel(drafter, device_ids=[device.index] if device.type == "cuda" else None)
 
 
-def check_backend(device: torch.device, num_gpus: int) -> str:
+def check_backend(device: torch.device, ranks: int, param: str = "train_num_gpus") -> str:
     """nccl on GPUs, gloo on the CPU; a CUDA run needs as many visible GPUs as ranks (a clear error first)."""
     if device.type != "cuda":
         return "gloo"
     from eagle3.launch import check_gpus
 
-    check_gpus(num_gpus, "train_num_gpus")
+    check_gpus(ranks, param)
     return "nccl"

@@ -115,26 +115,28 @@ def load_prompts(cfg: EvalConfig, tokenizer) -> list[list[int]]:
     return [tokenizer.apply_chat_template(c, add_generation_prompt=True, return_dict=True)["input_ids"] for c in chats]
 
 
-def evaluate_phase(cfg: EvalConfig) -> dict:
+def speculate(cfg: EvalConfig, device: torch.device, tp: bool = False) -> dict:
+    """Load the export, the target and the prompts; speculate with the trained drafter (and the random floor).
+    tp: this process is one rank of cfg.tp_size: the target is loaded with transformers' tp_plan (its ranks run
+    every forward together, each with the whole drafter)."""
     from eagle3.models import load_model, load_tokenizer
     from eagle3.train.model import Eagle3Drafter
     from eagle3.train.speculative import evaluate
 
-    out = Path(cfg.output_dir)
-    export_cfg = Path(cfg.export_dir) / "config.json"
-    if not export_cfg.is_file():
-        raise PipelineError(f"eval param export_dir: {cfg.export_dir} holds no drafter export (no config.json)")
-    record = PhaseOutput(out, fingerprint({**asdict(cfg), "export_sha256": sha256_file(Path(cfg.export_dir) /
-                                                                                         WEIGHTS_FILE)}), REPORT)
-    if (done := record.completed()) is not None:
-        return done
-    record.invalidate()
-    device = pick_device(cfg.device)
     drafter, vocab, config = load_exported(cfg.export_dir)
     drafter.to(device)
     capture = config["eagle3_pipeline"]["capture_layers"]
     tok = load_tokenizer(cfg.model_path)
-    target = load_model(cfg.model_path, device=str(device))
+    if tp:
+        from transformers import AutoModelForCausalLM
+
+        from eagle3.extract.backend import distributed_config
+
+        target = AutoModelForCausalLM.from_pretrained(str(cfg.model_path), dtype=torch.float32,
+                                                      distributed_config=distributed_config(cfg.model_path, "auto"))
+        target.eval()
+    else:
+        target = load_model(cfg.model_path, device=str(device))
     prompts = load_prompts(cfg, tok)
     reports = {"trained": evaluate(target, drafter, vocab, capture, tok.eos_token_id, prompts, cfg.max_new_tokens, cfg.k)}
     if cfg.random_floor:
@@ -143,10 +145,49 @@ def evaluate_phase(cfg: EvalConfig) -> dict:
         reports["random_init"] = evaluate(target, floor, vocab, capture, tok.eos_token_id,
                                           prompts[: cfg.floor_max_prompts or None], cfg.max_new_tokens, cfg.k,
                                           check_greedy=False)
+    return reports
+
+
+def speculate_rank(cfg: EvalConfig) -> dict | None:
+    """One rank of a tensor-parallel evaluation (run by eagle3.launch.run_distributed): rank 0 returns the reports."""
+    import torch.distributed as dist
+
+    device = pick_device(cfg.device)
+    if device.type == "cuda":
+        device = torch.device("cuda", torch.cuda.current_device())
+    reports = speculate(cfg, device, tp=True)
+    return reports if dist.get_rank() == 0 else None
+
+
+def speculate_tp(cfg: EvalConfig, device: torch.device) -> dict:
+    """speculate() with the target in cfg.tp_size ranks (nccl on GPUs, gloo on the CPU); the checks first."""
+    from eagle3.fit import check_tp_divides, load_config
+    from eagle3.launch import run_distributed
+    from eagle3.train.distributed import check_backend
+
+    check_tp_divides(load_config(cfg.model_path), cfg.tp_size, "extract_tp_size", where=str(cfg.model_path))
+    backend = check_backend(device, cfg.tp_size, "extract_tp_size")
+    return run_distributed("eagle3.train.run:speculate_rank", (cfg,), nprocs=cfg.tp_size, backend=backend,
+                           timeout_s=cfg.rank_timeout_s, name="eagle3-evaluate")[0]
+
+
+def evaluate_phase(cfg: EvalConfig) -> dict:
+    out = Path(cfg.output_dir)
+    export_cfg = Path(cfg.export_dir) / "config.json"
+    if not export_cfg.is_file():
+        raise PipelineError(f"eval param export_dir: {cfg.export_dir} holds no drafter export (no config.json)")
+    params = {k: v for k, v in asdict(cfg).items() if k not in ("tp_size", "rank_timeout_s")}  # how, not what
+    record = PhaseOutput(out, fingerprint({**params, "export_sha256": sha256_file(Path(cfg.export_dir) /
+                                                                                   WEIGHTS_FILE)}), REPORT)
+    if (done := record.completed()) is not None:
+        return done
+    record.invalidate()
+    device = pick_device(cfg.device)
+    reports = speculate_tp(cfg, device) if cfg.tp_size > 1 else speculate(cfg, device)
     out.mkdir(parents=True, exist_ok=True)
     plot_acceptance(reports, out / "acceptance.png")
     trained = reports["trained"]
-    report = {"params": asdict(cfg), "device": str(device), "tau": trained["tau"],
+    report = {"params": asdict(cfg), "device": str(device), "tp_size": cfg.tp_size, "tau": trained["tau"],
               "tau_random_init": reports.get("random_init", {}).get("tau"),
               "identical_to_greedy": trained["identical_to_greedy"], "results": reports,
               "plot": str(out / "acceptance.png")}
