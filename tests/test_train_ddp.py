@@ -1,5 +1,5 @@
-"""Training on 2 gloo ranks (DistributedDataParallel via eagle3.launch) against one process with the same global
-batch; a rank SIGKILLed mid-run fails the run, and the run resumes exactly, at 2 ranks or at 1."""
+"""Training on 2 gloo ranks (DistributedDataParallel or FSDP2, via eagle3.launch) against one process with the same
+global batch; a rank SIGKILLed mid-run fails the run, and the run resumes exactly, at 2 ranks or at 1."""
 
 from __future__ import annotations
 
@@ -62,12 +62,13 @@ def assert_same_weights(a: torch.nn.Module, b: torch.nn.Module) -> None:
         torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5, msg=name)
 
 
-def test_two_ranks_follow_the_one_process_loss_curve(shards, one_process, tmp_path):
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_two_ranks_follow_the_one_process_loss_curve(shards, one_process, tmp_path, parallel):
     from eagle3.train.trainer import read_metrics, train
 
     ref, ref_drafter = one_process
     assert ref[-1]["loss"] < ref[0]["loss"]  # it learns: the comparison is over a moving curve
-    res = train(config(shards, tmp_path, num_gpus=2))
+    res = train(config(shards, tmp_path, num_gpus=2, parallel=parallel))
     assert res["steps"] == STEPS
     assert_same_run(read_metrics(tmp_path / "metrics.jsonl"), ref)
     assert_same_weights(res["drafter"], ref_drafter)
@@ -75,18 +76,19 @@ def test_two_ranks_follow_the_one_process_loss_curve(shards, one_process, tmp_pa
 
 def test_a_killed_rank_fails_the_run_and_it_resumes_at_two_ranks_then_one(shards, one_process, tmp_path,
                                                                          monkeypatch):
-    """Rank 1 dies after step 7 (checkpoint at 6); the resumed 2-rank run loses rank 0 after step 14 (checkpoint
-    at 12); one process finishes. The whole curve and the weights are the uninterrupted run's."""
+    """Rank 1 dies after step 7 of a DDP run (checkpoint at 6); the run resumed with FSDP2 loses rank 0 after step
+    14 (checkpoint at 12); one process finishes. The whole curve and the weights are the uninterrupted run's: the
+    checkpoints mean the same at any N, DDP or FSDP2."""
     from eagle3.faults import KILL_RANK_VAR
     from eagle3.launch import RankFailed
     from eagle3.train.trainer import read_metrics, train
 
     ref, ref_drafter = one_process
     out = tmp_path / "run"
-    for victim, step, checkpoint in ((1, 7, 6), (0, 14, 12)):
+    for victim, step, checkpoint, parallel in ((1, 7, 6, "ddp"), (0, 14, 12, "fsdp")):
         monkeypatch.setenv(KILL_RANK_VAR, f"rank={victim},after_steps={step},once_file={tmp_path / str(step)}")
         with pytest.raises(RankFailed) as e:
-            train(config(shards, out, num_gpus=2))
+            train(config(shards, out, num_gpus=2, parallel=parallel))
         assert e.value.rank == victim and "SIGKILL" in str(e.value)
         assert sorted(p.name for p in (out / "checkpoints").glob("step-*.pt"))[-1] == f"step-{checkpoint:08d}.pt"
     monkeypatch.delenv(KILL_RANK_VAR)

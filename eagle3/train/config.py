@@ -15,9 +15,10 @@ from eagle3.knobs import check_knobs, knob
 TRAINING, EVALUATION = "Training", "Evaluation"
 
 # Params that change how a run goes, not what it produces: a finished run with other values is reused.
-# num_gpus too: the global batch and its loss are the same at any N, so a run resumes at another N.
+# num_gpus and parallel too: the global batch and its loss are the same at any N, so a run resumes at another N.
 _NOT_IN_FINGERPRINT = ("device", "log_every", "log_every_s", "checkpoint_every", "keep_checkpoints", "compile",
-                       "num_gpus", "dist_timeout_s")
+                       "num_gpus", "parallel", "dist_timeout_s")
+PARALLEL_CHOICES = ("ddp", "fsdp")
 
 
 @dataclass
@@ -54,6 +55,10 @@ class TrainConfig:
     num_gpus: int = knob(1, min=1, max=64, param="train_num_gpus", section=TRAINING,
                          help="GPUs (ranks) training uses; each micro-batch's samples are spread over them, so the "
                               "global batch (batch_size x grad_accum) is the same at any N. On the CPU: gloo ranks.")
+    parallel: str = knob("ddp", choices=PARALLEL_CHOICES,
+                         help="With num_gpus > 1: ddp (a whole drafter and its optimizer state on every GPU) or fsdp "
+                              "(FSDP2: parameters, gradients and optimizer state sharded over the GPUs, for a "
+                              "drafter that does not fit one).")
     dist_timeout_s: float = knob(1800.0, gt=0, help="With num_gpus > 1: a rank that waits this long on the others "
                                                     "fails the run (a dead or hung rank cannot stall it for longer).")
 

@@ -14,6 +14,7 @@ rank fails the run with its error); rank 0 writes checkpoints and metrics.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass
 
@@ -81,15 +82,64 @@ def masked_counts(samples: list[dict], max_seq_len: int, ttt_steps: int) -> torc
     return out
 
 
-def wrap(drafter: torch.nn.Module, ranks: Ranks, device: torch.device) -> torch.nn.Module:
-    """The module the training loop calls: the drafter itself alone, else DistributedDataParallel around it (its
-    state dict, and the optimizer's over its parameters, are then those of one process: checkpoints do not
-    depend on N)."""
+def wrap(drafter: torch.nn.Module, ranks: Ranks, device: torch.device, parallel: str = "ddp") -> torch.nn.Module:
+    """The module the training loop calls: the drafter itself alone; else DistributedDataParallel around it (its
+    state dict, and the optimizer's, stay those of one process), or with parallel="fsdp" the drafter itself,
+    sharded in place by FSDP2 (the lm_head, the largest matrix, a unit of its own; fc, the decoder layer and the
+    norm in the root unit, since the TTT unroll calls the layer's parts, not its forward, and FSDP2 gathers a unit
+    around forward calls): create the optimizer after this, checkpoint through full_state / load_full_state."""
     if not ranks.distributed:
         return drafter
+    if parallel == "fsdp":
+        from torch.distributed.fsdp import fully_shard
+
+        fully_shard(drafter.lm_head)
+        return fully_shard(drafter)
     from torch.nn.parallel import DistributedDataParallel
 
     return DistributedDataParallel(drafter, device_ids=[device.index] if device.type == "cuda" else None)
+
+
+def grad_sync(model: torch.nn.Module, ranks: Ranks, last: bool):
+    """Gradients are reduced over the ranks at a step's last micro-batch only (grad accumulation)."""
+    if not ranks.distributed or last:
+        if hasattr(model, "set_requires_gradient_sync"):
+            model.set_requires_gradient_sync(True)
+        return contextlib.nullcontext()
+    if hasattr(model, "no_sync"):  # DDP
+        return model.no_sync()
+    model.set_requires_gradient_sync(False)  # FSDP2
+    return contextlib.nullcontext()
+
+
+def local_value(t):
+    """A DTensor's full value (FSDP2's grad norm), a tensor as it is."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+# FSDP2 checkpoints hold what one process would write: the model's full state dict and the optimizer's state
+# in torch's own format (parameters numbered in named_parameters order), so a run resumes at any N and either way.
+def full_state(model: torch.nn.Module, optimizer) -> tuple[dict, dict]:
+    """(model state, optimizer state) gathered from the shards; every rank must call it (rank 0 gets them)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    msd, osd = get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    names = [n for n, _ in model.named_parameters()]
+    index = {n: i for i, n in enumerate(names)}
+    native = {"state": {index[n]: v for n, v in osd.get("state", {}).items()},
+              "param_groups": [{**g, "params": [index[n] for n in g["params"]]} for g in osd.get("param_groups", [])]}
+    return msd, native
+
+
+def load_full_state(model: torch.nn.Module, optimizer, model_state: dict, optimizer_state: dict) -> None:
+    """Scatter a checkpoint's full states into the shards (every rank passes the whole checkpoint)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+    names = [n for n, _ in model.named_parameters()]
+    osd = {"state": {names[i]: v for i, v in optimizer_state["state"].items()},
+           "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in optimizer_state["param_groups"]]}
+    set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=osd,
+                   options=StateDictOptions(full_state_dict=True))
 
 
 def check_backend(device: torch.device, ranks: int, param: str = "train_num_gpus") -> str:

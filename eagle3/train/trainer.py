@@ -16,7 +16,6 @@ on the same batch sequence.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import math
@@ -35,7 +34,8 @@ from eagle3.models import model_info
 from eagle3.train.batches import BatchOrder, collate, count_truncation, to_device
 from eagle3.train.checkpoint import Checkpoints
 from eagle3.train.config import TrainConfig
-from eagle3.train.distributed import Ranks, check_backend, masked_counts, wrap
+from eagle3.train.distributed import (Ranks, check_backend, full_state, grad_sync, load_full_state, local_value,
+                                      masked_counts, wrap)
 from eagle3.faults import maybe_kill_rank
 from eagle3.train.model import DrafterConfig, Eagle3Drafter
 from eagle3.train.vocab import VOCAB_FILE, count_tokens, load_or_build_vocab
@@ -197,8 +197,10 @@ def train(cfg: TrainConfig) -> dict:
     target_head = head_w[vocab.draft_ids].float().to(device)
 
     drafter = new_drafter(cfg, info, vocab, len(reader.capture_layers), target_head).to(device)
+    fsdp = ranks.distributed and cfg.parallel == "fsdp"
+    model = wrap(drafter, ranks, device, "fsdp") if fsdp else drafter  # FSDP2 shards before the optimizer sees it
     opt = torch.optim.AdamW(drafter.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay,
-                            fused=device.type == "cuda")
+                            fused=device.type == "cuda" and not fsdp)
     order = BatchOrder(reader, cfg.batch_size, cfg.seed)
     steps_per_epoch = order.batches_per_epoch // cfg.grad_accum
     if steps_per_epoch == 0:
@@ -207,8 +209,10 @@ def train(cfg: TrainConfig) -> dict:
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda_factory(total_steps, cfg.warmup_ratio, cfg.min_lr_ratio))
     checkpoints = Checkpoints(out / "checkpoints", cfg.fingerprint(), cfg.keep_checkpoints)
     metrics_path = out / "metrics.jsonl"
-    pos = checkpoints.restore(drafter, opt, sched, metrics_path if ranks.main else None)
-    model = wrap(drafter, ranks, device)  # after the restore: DDP starts every rank from rank 0's weights
+    pos = checkpoints.restore(drafter, opt, sched, metrics_path if ranks.main else None,
+                              load_states=load_full_state if fsdp else None)
+    if not fsdp:
+        model = wrap(drafter, ranks, device)  # after the restore: DDP starts every rank from rank 0's weights
 
     on_gpu = device.type == "cuda"
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if on_gpu else torch.autocast("cpu", enabled=False)
@@ -242,8 +246,7 @@ def train(cfg: TrainConfig) -> dict:
                     else None
                 batch = to_device(collate(ranks.share(samples), cfg.max_seq_len, pad_multiple, batch_rows), device)
                 # DDP all-reduces gradients at the last micro-batch of a step only
-                sync = model.no_sync() if ranks.distributed and micro < cfg.grad_accum - 1 else contextlib.nullcontext()
-                with sync:
+                with grad_sync(model, ranks, last=micro == cfg.grad_accum - 1):
                     with autocast:
                         loss, stats = loss_fn(model, batch, embed, target_head, cfg.ttt_steps, cfg.step_decay,
                                               counts)
@@ -256,7 +259,7 @@ def train(cfg: TrainConfig) -> dict:
                 both = torch.cat([sums.flatten(), torch.tensor([loss_total], dtype=torch.float64)])
                 both = ranks.sum(both.to(device)).cpu()  # nccl reduces on the GPU
                 sums, loss_total = both[:-1].view_as(sums), float(both[-1])
-            grad_norm = torch.nn.utils.clip_grad_norm_(drafter.parameters(), cfg.grad_clip)
+            grad_norm = local_value(torch.nn.utils.clip_grad_norm_(drafter.parameters(), cfg.grad_clip))
             lr = sched.get_last_lr()[0]
             opt.step()
             sched.step()
@@ -279,12 +282,14 @@ def train(cfg: TrainConfig) -> dict:
                 log.info("step %d/%d  loss %.4f  acc@k0 %.3f  %.0f tok/s  ETA %.0f s", step, total_steps, loss_total,
                          float(sums[0, 1] / sums[0, 2].clamp(min=1)), tokens_done / max(1e-9, now - t_start),
                          (total_steps - step) / max(rate, 1e-9))
-            if ranks.main and (step % cfg.checkpoint_every == 0 or step == total_steps):
-                checkpoints.save(pos, drafter, opt, sched)
+            if step % cfg.checkpoint_every == 0 or step == total_steps:
+                states = full_state(drafter, opt) if fsdp else None  # a collective: every rank gathers
+                if ranks.main:
+                    checkpoints.save(pos, drafter, opt, sched, states)
     finally:
         if metrics_file:
             metrics_file.close()
-    return {"drafter": drafter.cpu().eval(), "vocab": vocab, "info": info, "capture_layers": reader.capture_layers,
+    return {"drafter": None if ranks.distributed else drafter.cpu().eval(), "vocab": vocab, "info": info, "capture_layers": reader.capture_layers,
             "steps": pos.step, "total_steps": total_steps, "tokens": reader.num_tokens, "samples": reader.num_samples,
             "truncation": truncation.to_dict(), "seconds": time.time() - t_start}
 
