@@ -32,7 +32,8 @@ GPU_POOL = "gpu"  # one slot per GPU: at most that many GPU tasks at once
 # on purpose and clear it by hand set 0 so the failure stays visible.
 SHARD_RETRIES = int(os.environ.get("EAGLE3_SHARD_RETRIES", "3"))
 # gpu pool slots per task, fixed at parse time (the scheduler reserves them before a task runs):
-# EAGLE3_EXTRACT_TP_SIZE (a shard's tensor-parallel ranks) and EAGLE3_DATAGEN_GPUS (a local datagen server's GPUs)
+# EAGLE3_EXTRACT_TP_SIZE (a shard's tensor-parallel ranks, and the evaluation's: the same tp_size),
+# EAGLE3_DATAGEN_GPUS (a local datagen server's GPUs) and EAGLE3_TRAIN_GPU_SLOTS (the most GPUs a run trains on)
 GPU_SLOTS = gpu_slots()
 DATAGEN_ON_GPUS = ({"queue": GPU_QUEUE, "pool": GPU_POOL, "pool_slots": GPU_SLOTS["datagen"]}
                    if GPU_SLOTS["datagen"] else {})
@@ -102,6 +103,7 @@ with DAG(
         task_id="train",
         queue=GPU_QUEUE,
         pool=GPU_POOL,
+        pool_slots=GPU_SLOTS["train"],  # train_num_gpus ranks at most (preflight checks)
         config=phase_template("train"),
         shard_dirs=extract.output,
         overrides="{{ params.train_overrides }}",
@@ -114,6 +116,7 @@ with DAG(
         task_id="evaluate",
         queue=GPU_QUEUE,
         pool=GPU_POOL,
+        pool_slots=GPU_SLOTS["extract"],  # the target in extract_tp_size ranks, as extraction ran it
         config=phase_template("evaluate"),
     )
 

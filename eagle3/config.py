@@ -108,8 +108,9 @@ FORM_CLASSES = (RunConfig, PreflightConfig, DatagenConfig, MergeConfig, ShardPla
 # fixed when the DAG file is parsed, from the environment of every Airflow component (docker-compose.yml), not
 # by the trigger form: the form's extract_tp_size defaults to the extract task's slots, and preflight refuses a
 # larger one (check_pool_slots). docs/operations.md: worker pinning.
-GPU_SLOT_ENV = {"extract": "EAGLE3_EXTRACT_TP_SIZE", "datagen": "EAGLE3_DATAGEN_GPUS"}
-GPU_SLOT_DEFAULTS = {"extract": 1, "datagen": 0}  # datagen 0: its server is remote (or on no pooled GPU)
+GPU_SLOT_ENV = {"extract": "EAGLE3_EXTRACT_TP_SIZE", "datagen": "EAGLE3_DATAGEN_GPUS",
+                "train": "EAGLE3_TRAIN_GPU_SLOTS"}
+GPU_SLOT_DEFAULTS = {"extract": 1, "datagen": 0, "train": 1}  # datagen 0: its server is remote (or on no pooled GPU)
 
 
 def gpu_slots(env: Mapping[str, str] | None = None) -> dict[str, int]:
@@ -119,8 +120,9 @@ def gpu_slots(env: Mapping[str, str] | None = None) -> dict[str, int]:
     out = {}
     for task, var in GPU_SLOT_ENV.items():
         raw = env.get(var, "").strip() or str(GPU_SLOT_DEFAULTS[task])
-        if not raw.isdigit() or int(raw) < (1 if task == "extract" else 0) or int(raw) > 64:
-            raise ConfigError(f"{var}={raw!r}: expected an integer in {1 if task == 'extract' else 0}..64 "
+        least = 0 if task == "datagen" else 1
+        if not raw.isdigit() or int(raw) < least or int(raw) > 64:
+            raise ConfigError(f"{var}={raw!r}: expected an integer in {least}..64 "
                               f"(gpu pool slots of the {task} task)")
         out[task] = int(raw)
     return out
@@ -134,6 +136,12 @@ def check_pool_slots(params: Mapping[str, Any], slots: Mapping[str, int]) -> Non
                           f"{slots['extract']} slot(s) of the gpu pool ({GPU_SLOT_ENV['extract']}={slots['extract']} "
                           f"when the DAG was parsed): set {GPU_SLOT_ENV['extract']}={tp} on the scheduler and "
                           f"workers (docs/operations.md), or lower extract_tp_size")
+    n = params.get("train_num_gpus", 1)
+    if isinstance(n, int) and n > slots.get("train", 1):
+        raise ConfigError(f"train_num_gpus={n} needs {n} GPUs, but the train task holds {slots.get('train', 1)} "
+                          f"slot(s) of the gpu pool ({GPU_SLOT_ENV['train']}={slots.get('train', 1)} when the DAG "
+                          f"was parsed): set {GPU_SLOT_ENV['train']}={n} on the scheduler and workers "
+                          f"(docs/train.md), or lower train_num_gpus")
 
 
 def form_params() -> dict[str, dict]:
@@ -181,7 +189,8 @@ PHASE_SOURCES: dict[str, dict[str, Any]] = {
                 "capture_layers": ModelFact("capture_layers")},
     # the training cap is merge's cap: samples merge kept whole are trained whole
     "train": {"model_path": MODEL, "output_dir": InRunDir("train"), "max_seq_len": FromParam("max_seq_len")},
-    "evaluate": {"export_dir": InRunDir("train/export"), "model_path": MODEL, "output_dir": InRunDir("evaluate")},
+    "evaluate": {"export_dir": InRunDir("train/export"), "model_path": MODEL, "output_dir": InRunDir("evaluate"),
+                 "tp_size": FromParam("extract_tp_size")},  # the target on as many GPUs as extraction used
 }
 
 

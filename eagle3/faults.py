@@ -69,3 +69,25 @@ def maybe_inject_fault(shard: int, committed_chunks: int, env: dict[str, str] | 
         os.kill(_RANK_PIDS[fault.rank], signal.SIGKILL)
         return
     raise InjectedFault(f"injected fault ({ENV_VAR}): shard {shard} after {committed_chunks} committed chunks")
+
+
+# -- training ranks ------------------------------------------------------------------------------
+# EAGLE3_KILL_RANK="rank=<r>,after_steps=<k>,once_file=<path>": the training rank r SIGKILLs itself right after
+# optimizer step k (before that step's checkpoint), once (once_file, as above): a rank dying mid-run.
+KILL_RANK_VAR = "EAGLE3_KILL_RANK"
+
+
+def maybe_kill_rank(rank: int, step: int, env: dict[str, str] | None = None) -> None:
+    spec = (os.environ if env is None else env).get(KILL_RANK_VAR)
+    if not spec:
+        return
+    try:
+        fields = dict(kv.strip().split("=", 1) for kv in spec.split(",") if kv.strip())
+        victim, after, once = int(fields["rank"]), int(fields["after_steps"]), Path(fields["once_file"])
+    except (KeyError, ValueError) as e:
+        raise ConfigError(f"{KILL_RANK_VAR}={spec!r}: expected 'rank=<r>,after_steps=<k>,once_file=<path>' ({e})") from e
+    if rank != victim or step != after or once.exists():
+        return
+    once.parent.mkdir(parents=True, exist_ok=True)
+    once.touch()
+    os.kill(os.getpid(), signal.SIGKILL)

@@ -37,6 +37,21 @@ def _text(cfg: dict) -> dict:
     return cfg.get("text_config", cfg)
 
 
+def fp8_checkpoint(cfg: dict) -> bool:
+    return (cfg.get("quantization_config") or {}).get("quant_method") == "fp8"
+
+
+def check_fp8_device(cfg: dict, device: str, model_path: str | Path) -> None:
+    """A block-wise FP8 checkpoint loads as it is only on a GPU: transformers would silently dequantize it to bf16
+    on the CPU (another model than the one served), so the CPU is refused, naming the file."""
+    if fp8_checkpoint(cfg) and not str(device).startswith("cuda"):
+        q = cfg["quantization_config"]
+        raise ConfigError(f"{Path(model_path) / 'config.json'}: the target is stored in FP8 (quantization_config: "
+                          f"quant_method='fp8', weight_block_size={q.get('weight_block_size')}); it loads as it is on "
+                          f"a CUDA GPU of compute capability >= 8.9 only, this run is on {device}: run on such a GPU, "
+                          f"or use a bf16 copy of the target")
+
+
 def num_experts(cfg: dict) -> int:
     t = _text(cfg)
     return next((int(t[k]) for k in EXPERT_KEYS if t.get(k)), 0)
@@ -105,7 +120,7 @@ def weight_estimate(cfg: dict, tp_size: int = 1, dtype: str | None = None) -> We
     ckpt = str(cfg.get("torch_dtype") or cfg.get("dtype") or t.get("torch_dtype") or "bfloat16")
     wbytes = DTYPE_BYTES.get(dtype or ckpt, 2)
     q = cfg.get("quantization_config") or {}
-    fp8 = q.get("quant_method") == "fp8"
+    fp8 = fp8_checkpoint(cfg)
     block = q.get("weight_block_size") or [128, 128]
     lin_bytes = (1 + 4 / (block[0] * block[1])) if fp8 else wbytes  # 1 byte + one fp32 scale a block
     inter = int(t.get("intermediate_size") or 4 * H)

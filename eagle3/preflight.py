@@ -17,7 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from eagle3.errors import ConfigError, PipelineError
-from eagle3.fit import check_fits, check_tp_divides, load_config, smallest_fitting_tp, weight_estimate
+from eagle3.fit import (check_fits, check_fp8_device, check_tp_divides, load_config, smallest_fitting_tp,
+                        weight_estimate)
 from eagle3.io import atomic_write_json
 from eagle3.knobs import check_knobs, knob
 from eagle3.models import model_info, resolve_capture_layers
@@ -229,6 +230,12 @@ def run_preflight(cfg: PreflightConfig, nvidia_smi: str | None = "nvidia-smi", n
         )
     report["model"] = check_model(cfg, failures)
     report["fit"] = check_fit(cfg, report["gpu"]["gpus"], n_gpus, failures)
+    if not n_gpus:
+        try:
+            check_fp8_device(load_config(cfg.model_path), "cpu", cfg.model_path)
+        except ConfigError as e:
+            if "FP8" in str(e):  # an unreadable config.json is check_model's to report
+                failures.append(str(e))
     info = report["model"].get("info")
     if info:
         n_layers = len(report["model"].get("capture_layers") or [0, 0, 0])

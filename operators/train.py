@@ -60,7 +60,13 @@ class TrainDrafterOperator(Eagle3Operator[TrainConfig]):
         return out
 
     def run(self, cfg: TrainConfig, context: Context) -> dict:
+        from eagle3.errors import ConfigError
         from eagle3.train.run import train_phase
+
+        if cfg.num_gpus > self.pool_slots:  # more ranks than the GPUs the pool gave this task
+            raise ConfigError(f"train_num_gpus={cfg.num_gpus}, but task {self.task_id} holds {self.pool_slots} slot(s) "
+                              f"of the {self.pool!r} pool: lower train_num_gpus, or set EAGLE3_TRAIN_GPU_SLOTS="
+                              f"{cfg.num_gpus} where the DAG is parsed (docs/train.md)")
 
         r = train_phase(cfg)
         summary = {"export_dir": r["export_dir"], "steps": r["steps"], "train_tokens": r["train_tokens"],

@@ -102,3 +102,26 @@ def test_preflight_says_what_fits(smollm2_path, tmp_path):
         run_preflight(cfg, nvidia_smi=None)
     cfg = PreflightConfig(model_path=str(smollm2_path), output_dir=str(tmp_path / "pf3"), allow_cpu=True, tp_size=3)
     assert run_preflight(cfg, nvidia_smi=None)["fit"]["tp_size"] == 3  # no GPU: divisibility only, passes
+
+
+def test_fp8_checkpoint_on_the_cpu_is_a_clear_error(smollm2_path, tmp_path):
+    """transformers would dequantize an FP8 checkpoint to bf16 on the CPU without a word: refused, in preflight
+    and at load, naming the file."""
+    from eagle3.extract.config import ExtractConfig, ShardPlanConfig
+    from eagle3.extract.extractor import extract_shard
+    from eagle3.extract.plan import plan_shards
+    from eagle3.extract.synthetic import write_merged_dataset
+
+    fp8 = tmp_path / "fp8-target"
+    fp8.mkdir()
+    cfg = dict(load_config(smollm2_path), quantization_config={"quant_method": "fp8", "fmt": "e4m3",
+                                                               "weight_block_size": [128, 128]})
+    (fp8 / "config.json").write_text(json.dumps(cfg))
+    write_merged_dataset(tmp_path / "merge", [[1, 5, 6, 2]], rows_per_file=1, loss_masks=[[0, 1, 1, 1]])
+    spec = plan_shards(ShardPlanConfig(str(tmp_path / "merge"), 1))[0]
+    want = r"fp8-target/config.json: the target is stored in FP8.*this run is on cpu"
+    with pytest.raises(ConfigError, match=want):
+        extract_shard(ExtractConfig(model_path=str(fp8), extract_dir=str(tmp_path / "x"), device="cpu"), spec)
+    with pytest.raises(PreflightError, match=want):
+        run_preflight(PreflightConfig(model_path=str(fp8), output_dir=str(tmp_path / "pf"), allow_cpu=True),
+                      nvidia_smi=None)

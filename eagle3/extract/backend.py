@@ -90,6 +90,12 @@ class ExtractionBackend(Protocol):
         """Forward a right-padded [B, L] batch on the device; return ([B, L, H] per capture layer, final [B, L, H])."""
 
 
+def on_device(have: torch.device, want: str) -> bool:
+    """Is a tensor on `have` already on `want` ("cuda" means any index, as .to("cuda") would keep it)?"""
+    want = torch.device(want)
+    return have.type == want.type and want.index in (None, have.index)
+
+
 def load_decoder(backend, model_path: str, dtype: str, device: str, capture_layers: list[int],
                  tp_plan: str | None = None) -> None:
     """The setup every HF-weights backend shares: load `backend.model` (unless preloaded) on `device` in `dtype`,
@@ -100,14 +106,21 @@ def load_decoder(backend, model_path: str, dtype: str, device: str, capture_laye
     if backend.model is None:
         from transformers import AutoModelForCausalLM
 
+        from eagle3.fit import check_fp8_device, fp8_checkpoint, load_config
+
         backend.info = model_info(model_path)
         resolve_capture_layers(capture_layers, backend.info)  # before spending time on the weights
-        if tp_plan:
+        config = load_config(model_path)
+        check_fp8_device(config, device, model_path)
+        if fp8_checkpoint(config) and not tp_plan:  # the FP8 quantizer places the weights itself
+            backend.model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=torch_dtype, device_map=device)
+        elif tp_plan:
             backend.model = AutoModelForCausalLM.from_pretrained(
                 str(model_path), dtype=torch_dtype, distributed_config=distributed_config(model_path, tp_plan))
         else:
             backend.model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=torch_dtype).to(device)
-    else:
+    elif not on_device(next(backend.model.parameters()).device, device) or backend.model.dtype != torch_dtype:
+        # (a model already in place is left alone: torchao's quantized weights need not support .to)
         backend.model = backend.model.to(device=device, dtype=torch_dtype)
     backend.model.eval()
     model = backend.model
