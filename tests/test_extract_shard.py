@@ -534,9 +534,11 @@ def test_pinned_attention_kernel_runs_and_gives_the_same_states(dataset, spec, s
     assert out["complete"] and seen and set(seen) == {(attention == "math", attention == "flash")}
     assert torch.backends.cuda.math_sdp_enabled() and torch.backends.cuda.flash_sdp_enabled()  # restored after
     got = {s.row: s for s in HiddenStateReader([Path(out["shard_dir"])], verify=True)}
+    # The math kernel sums attention in another order than the reference's default kernel: one fp32 value in
+    # 3e5 was seen 1.06e-4 away (CI, 2026-12-04), so atol is 2e-4 here.
     for row, (aux, final) in enumerate(reference):
-        torch.testing.assert_close(got[row].aux_hidden, aux, rtol=1e-4, atol=1e-4)
-        torch.testing.assert_close(got[row].final_hidden, final, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(got[row].aux_hidden, aux, rtol=1e-4, atol=2e-4)
+        torch.testing.assert_close(got[row].final_hidden, final, rtol=1e-4, atol=2e-4)
 
 
 def test_attention_param_rejects_unknown_and_cuda_only_kernels_on_cpu(tmp_path):

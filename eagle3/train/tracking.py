@@ -2,9 +2,9 @@
 URI is set (the Airflow operator reads it from a Connection: operators/hooks.MLflowTrackingHook).
 
 metrics.jsonl stays the phase's own record (plots, report.json); these follow it step by step. A resumed
-run continues them: TensorBoard's purge_step makes readers drop the steps a killed attempt logged after its
-last checkpoint, and MLflow goes on in the same run (its id in mlflow_run.json), where a step logged again
-is a newer point. A fresh start (no checkpoint) removes an earlier attempt's event files, as it removes
+run continues them: a session-start marker at the resumed step makes TensorBoard drop the steps a killed
+attempt logged after its last checkpoint, and MLflow goes on in the same run (its id in mlflow_run.json),
+where a step logged again is a newer point. A fresh start (no checkpoint) removes an earlier attempt's event files, as it removes
 metrics.jsonl.
 """
 
@@ -40,23 +40,32 @@ class MetricsTracker:
 
     def __init__(self, output_dir: str | Path, resume_step: int, *, mlflow_uri: str = "",
                  mlflow_experiment: str = "eagle3", run_name: str = "", params: dict | None = None):
-        from tensorboardX import SummaryWriter
+        from tensorboardX.event_file_writer import EventsWriter
+        from tensorboardX.proto.event_pb2 import Event, SessionLog
 
         out = Path(output_dir)
         self.tb_dir = out / TB_DIR
         if resume_step == 0:
             shutil.rmtree(self.tb_dir, ignore_errors=True)
-        # purge_step: steps >= it that a killed attempt logged are dropped by TensorBoard (and read_scalars)
-        # the suffix keeps two attempts' files apart when they start within one second (same time stamp)
-        self.tb = SummaryWriter(logdir=str(self.tb_dir), purge_step=resume_step + 1 if resume_step else None,
-                                filename_suffix=f".from-step-{resume_step:09d}")
+        self.tb_dir.mkdir(parents=True, exist_ok=True)
+        # Written synchronously (SummaryWriter queues events for a thread): a step is on disk before its
+        # checkpoint, as its metrics.jsonl line is. The suffix keeps two attempts' files apart when they start
+        # within one second (same time stamp in the name).
+        self.tb = EventsWriter(str(self.tb_dir / "events"), f".from-step-{resume_step:09d}")
+        if resume_step:  # TensorBoard (and read_scalars) drop the killed attempt's steps after the checkpoint
+            self.tb.write_event(Event(wall_time=time.time(), step=resume_step + 1,
+                                      session_log=SessionLog(status=SessionLog.START)))
+        self.tb.flush()
         self.mlflow = MLflowRun(out / MLFLOW_RUN_FILE, mlflow_uri, mlflow_experiment, run_name or out.parent.name,
                                 params or {}, resume=resume_step > 0) if mlflow_uri else None
 
     def log(self, rec: dict) -> None:
+        from tensorboardX.proto.event_pb2 import Event
+        from tensorboardX.proto.summary_pb2 import Summary
+
         values = scalars(rec)
-        for name, value in values.items():
-            self.tb.add_scalar(name, value, rec["step"])
+        self.tb.write_event(Event(wall_time=time.time(), step=rec["step"], summary=Summary(
+            value=[Summary.Value(tag=name, simple_value=value) for name, value in values.items()])))
         self.tb.flush()  # a live view: TensorBoard reads what is on disk
         if self.mlflow is not None:
             self.mlflow.log(values, rec["step"])
