@@ -6,7 +6,8 @@ fails preflight with the reason instead of leaving the shards "scheduled" foreve
 
 Overrides of the defaults, and why: EAGLE3_SHARD_RETRIES=0 (else the failed shard retries by itself and there is
 nothing to clear), chunk_mb 0.3 and token_budget 256 in the form (the default run's shards hold one chunk each,
-so there would be no committed chunk to resume from). Screenshots: artifacts/tests/first-hour/.
+so there would be no committed chunk to resume from), eval_max_new_tokens 16 (the default evaluation takes
+minutes on a loaded 2-core machine: the test would not finish in ~8 min). Screenshots: artifacts/tests/first-hour/.
 """
 
 from __future__ import annotations
@@ -141,6 +142,10 @@ def test_first_hour_in_the_browser(standalone):
             el.send_keys(Keys.CONTROL, "a")
             el.send_keys(value, Keys.TAB)
             assert el.get_attribute("value") == value
+        section("Evaluation")
+        el = d.find_element(By.CSS_SELECTOR, "input[name=element_eval_max_new_tokens]")  # time (module doc)
+        el.send_keys(Keys.CONTROL, "a")
+        el.send_keys("16", Keys.TAB)
         d.save_screenshot(str(ARTIFACTS / "01-trigger-form.png"))
         submit = [b for b in dialog.find_elements(By.CSS_SELECTOR, "button") if b.text.strip() == "Trigger"][-1]
         d.execute_script("arguments[0].scrollIntoView();", submit)
@@ -189,7 +194,7 @@ def test_first_hour_in_the_browser(standalone):
         api.wait_task(DAG_ID, run_id, "extract", 1, states=(None, "scheduled", "queued", "running", "success"),
                       timeout=60)
 
-        run = api.wait_run(DAG_ID, run_id, states=("success", "failed"), timeout=480)
+        run = api.wait_run(DAG_ID, run_id, states=("success", "failed"), timeout=900)
         d.get(f"{base}/dags/{DAG_ID}/runs/{run_id}")
         time.sleep(3)
         d.save_screenshot(str(ARTIFACTS / "04-run-succeeded.png"))

@@ -74,7 +74,8 @@ from airflow.dag_processing.dagbag import DagBag
 bag = DagBag(dag_folder=out["dags_folder"])
 from eagle3.config import form_params
 defaults = {n: p["default"] for n, p in form_params().items()}
-out["default_files"] = [d["prompt_file"] for d in defaults["datasets"]] + [defaults["eval_prompts_file"]]
+evals = [defaults["eval_prompts"]] if defaults["eval_prompts"] != "mtbench" else []  # mtbench: the extra's file
+out["default_files"] = [d["prompt_file"] for d in defaults["datasets"]] + evals
 out["dags"], out["import_errors"] = sorted(bag.dags), {k: v[-300:] for k, v in bag.import_errors.items()}
 print(json.dumps(out))
 """
