@@ -6,7 +6,8 @@ fails preflight with the reason instead of leaving the shards "scheduled" foreve
 
 Overrides of the defaults, and why: EAGLE3_SHARD_RETRIES=0 (else the failed shard retries by itself and there is
 nothing to clear), chunk_mb 0.3 and token_budget 256 in the form (the default run's shards hold one chunk each,
-so there would be no committed chunk to resume from). Screenshots: artifacts/tests/first-hour/.
+so there would be no committed chunk to resume from), eval_max_new_tokens 16 (the default evaluation takes
+minutes on a loaded 2-core machine: the test would not finish in ~8 min). Screenshots: artifacts/tests/first-hour/.
 """
 
 from __future__ import annotations
@@ -75,6 +76,22 @@ def task_log(api: AirflowClient, run_id: str, task_id: str, map_index: int, try_
     return [e if isinstance(e, dict) else {"event": str(e)} for e in r.json()["content"]]
 
 
+def settled(read, done, timeout: float = 40):
+    """`read()` again until `done(value)`: the UI re-renders (stale elements) and fills in lists as data arrives."""
+    from selenium.common.exceptions import StaleElementReferenceException
+
+    deadline, value = time.monotonic() + timeout, None
+    while time.monotonic() < deadline:
+        try:
+            value = read()
+            if done(value):
+                return value
+        except (StaleElementReferenceException, IndexError):
+            pass
+        time.sleep(0.5)
+    return value
+
+
 def test_missing_pool_fails_preflight_with_the_reason(standalone):
     """Without pool `gpu` the shards would wait "scheduled" forever; preflight fails at once and says why."""
     api = AirflowClient(standalone["url"], standalone["user"], standalone["password"])
@@ -125,6 +142,10 @@ def test_first_hour_in_the_browser(standalone):
             el.send_keys(Keys.CONTROL, "a")
             el.send_keys(value, Keys.TAB)
             assert el.get_attribute("value") == value
+        section("Evaluation")
+        el = d.find_element(By.CSS_SELECTOR, "input[name=element_eval_max_new_tokens]")  # time (module doc)
+        el.send_keys(Keys.CONTROL, "a")
+        el.send_keys("16", Keys.TAB)
         d.save_screenshot(str(ARTIFACTS / "01-trigger-form.png"))
         submit = [b for b in dialog.find_elements(By.CSS_SELECTOR, "button") if b.text.strip() == "Trigger"][-1]
         d.execute_script("arguments[0].scrollIntoView();", submit)
@@ -149,28 +170,31 @@ def test_first_hour_in_the_browser(standalone):
         assert api.wait_run(DAG_ID, run_id, timeout=120)["state"] == "failed"
         mapped = f"{base}/dags/{DAG_ID}/runs/{run_id}/tasks/extract/mapped"
         d.get(mapped)
-        rows = {}
-        deadline = time.monotonic() + 40
-        while time.monotonic() < deadline and set(rows) != {"0", "1"}:
-            rows = {r.text.split("\n")[0].strip(): r for r in d.find_elements(By.CSS_SELECTOR, "tbody tr")}
-            time.sleep(0.5)
-        assert "Success" in rows["0"].text and "Failed" in rows["1"].text, {k: r.text for k, r in rows.items()}
+        rows = settled(lambda: {r.text.split("\n")[0].strip(): r.text
+                                for r in d.find_elements(By.CSS_SELECTOR, "tbody tr")},
+                       lambda rows: set(rows) == {"0", "1"} and "Failed" in rows["1"])
+        assert "Success" in rows["0"] and "Failed" in rows["1"], rows
         d.save_screenshot(str(ARTIFACTS / "02-shard-1-failed.png"))
         manifest = json.loads((run_dir / "extract" / "shard-00001" / "manifest.json").read_text())
         assert len(manifest["chunks"]) == 1 and not manifest["complete"]
 
         # clear map index 1 in the UI: the dialog offers it with its downstream tasks (Downstream is on)
-        rows["1"].find_element(By.CSS_SELECTOR, "button[aria-label='Clear Task Instance']").click()
+        settled(lambda: [r for r in d.find_elements(By.CSS_SELECTOR, "tbody tr") if r.text.split("\n")[0].strip()
+                         == "1"][0].find_element(By.CSS_SELECTOR, "button[aria-label='Clear Task Instance']").click()
+                or True, bool)
         clear = wait_for(d, "[role=dialog]", visible_text="Affected Tasks")
-        affected = [(r.text.split()[0], r.text.split()[-2]) for r in clear.find_elements(By.CSS_SELECTOR, "tbody tr")]
-        assert sorted(affected) == [("evaluate", "-1"), ("extract", "1"), ("train", "-1")], affected
+        # the list fills in after a dry-run request
+        affected = settled(lambda: sorted((r.text.split()[0], r.text.split()[-2]) for r in clear.find_elements(
+            By.CSS_SELECTOR, "tbody tr") if len(r.text.split()) >= 3), lambda a: len(a) >= 3)
+        assert affected == [("evaluate", "-1"), ("extract", "1"), ("train", "-1")], affected
         d.save_screenshot(str(ARTIFACTS / "03-clear-dialog.png"))
-        [b for b in clear.find_elements(By.CSS_SELECTOR, "button") if b.text.strip() == "Confirm"][0].click()
+        settled(lambda: [b for b in d.find_elements(By.CSS_SELECTOR, "[role=dialog] button")
+                         if b.text.strip() == "Confirm"][0].click() or True, bool)
         # the clear takes effect when the UI's request lands: until then the run still reads "failed"
         api.wait_task(DAG_ID, run_id, "extract", 1, states=(None, "scheduled", "queued", "running", "success"),
                       timeout=60)
 
-        run = api.wait_run(DAG_ID, run_id, states=("success", "failed"), timeout=480)
+        run = api.wait_run(DAG_ID, run_id, states=("success", "failed"), timeout=900)
         d.get(f"{base}/dags/{DAG_ID}/runs/{run_id}")
         time.sleep(3)
         d.save_screenshot(str(ARTIFACTS / "04-run-succeeded.png"))
