@@ -150,7 +150,8 @@ def test_environment_is_consistent(compose):
     envs = {n: services[n]["environment"] for n in AIRFLOW_SERVICES}
     for key in ("AIRFLOW__CORE__EXECUTOR", "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN", "AIRFLOW__CELERY__BROKER_URL",
                 "AIRFLOW__API_AUTH__JWT_SECRET", "AIRFLOW__CORE__EXECUTION_API_SERVER_URL", "EAGLE3_OUTPUT_ROOT",
-                "AIRFLOW__CELERY__CELERY_CONFIG_OPTIONS", "EAGLE3_EXTRACT_TP_SIZE", "EAGLE3_DATAGEN_GPUS"):
+                "AIRFLOW__CELERY__CELERY_CONFIG_OPTIONS", "EAGLE3_EXTRACT_TP_SIZE", "EAGLE3_DATAGEN_GPUS",
+                "EAGLE3_TRAIN_GPU_SLOTS"):
         # (the GPUs per task: the DAG's pool slots and the GPU worker's pinning must agree)
         values = {n: e.get(key) for n, e in envs.items()}
         assert len(set(values.values())) == 1 and None not in values.values(), f"{key} differs: {values}"
