@@ -289,7 +289,8 @@ def train(cfg: TrainConfig) -> dict:
     finally:
         if metrics_file:
             metrics_file.close()
-    return {"drafter": None if ranks.distributed else drafter.cpu().eval(), "vocab": vocab, "info": info, "capture_layers": reader.capture_layers,
+    return {"drafter": None if ranks.distributed else drafter.cpu().eval(), "vocab": vocab, "info": info,
+            "capture_layers": reader.capture_layers,
             "steps": pos.step, "total_steps": total_steps, "tokens": reader.num_tokens, "samples": reader.num_samples,
             "truncation": truncation.to_dict(), "seconds": time.time() - t_start}
 
