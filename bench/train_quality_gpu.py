@@ -1,21 +1,21 @@
-"""Drafter quality on the real SmolLM2-135M-Instruct target, on one GPU, through the pipeline's own phases.
+"""Drafter quality on the real SmolLM2-135M-Instruct, on one GPU, through the pipeline's own phases; then ablations.
 
-    GGUF -> HF folder (eagle3.models.convert_gguf)
-    -> the target's own answers to templated prompts (batched HF generate on the GPU, bf16; greedy, then
-       optional sampled passes), written as datagen output: <work>/datagen/<dataset>/tokenized.jsonl
-    -> merge phase (run_merge: dedup, shuffle, length cap)
-    -> extraction phase (plan_shards + extract_shard on the GPU, bf16, [2, 15, 27] + final state)
-    -> training phase (train_phase on the GPU: TTT K=7, draft vocab, export for SGLang)
-    -> evaluation phase (evaluate_phase on the GPU: held-out prompts, k=5, lossless check, random floor;
-       tau also over the first 64/128 tokens and split by answers ending with eos vs. hitting the cap)
+    ShareGPT prompts (first human turn of each line of `python -m eagle3 prompts sharegpt`, MT-bench removed)
+    -> the target's own answers (batched HF generate, bf16): greedy; sampled at --temperature for that ablation
+    -> merge -> extraction (bf16; float8_e4m3fn for that ablation) -> training -> export for SGLang
+    -> MT-bench evaluation (evaluate_phase, batched decoder: both turns, k=5 and 7, tau over answers that end
+       with eos, the share hitting max_new_tokens, per turn and category; lossless or the row says why not)
+then the ablations at equal data (same prompts, same answers or as many sampled ones, one knob each), in
+bench/quality_plan.py's order: most informative first. Every finished row is written at once to
+--out/ablations.json and ablations.md (the table for docs/benchmarks.md), the main run to quality_gpu.json.
 
-Every stage skips what is already done (answers are saved in parts; the phases are idempotent and
-resumable), so a re-run after a crash or a timeout continues where it stopped. The summary, the
-training/acceptance plots and metrics land in --out.
+--deadline-s: no stage starts that its estimate (the time a similar stage took, per token) says would end past
+the deadline; the rows left are marked "not run". Every stage is resumable and skips finished work, so the same
+command in a later device call (same warm machine, same --work) continues where the last one stopped.
 
-    python bench/train_quality_gpu.py --gguf SmolLM2-135M-Instruct.Q4_1.gguf --work /tmp/q --out $OUT
-    python bench/train_quality_gpu.py --model ~/.cache/eagle3/SmolLM2-135M-Instruct --work /tmp/q --out /tmp/q/out \
-        --prompts 64 --heldout 4 --new-tokens 32 --eval-new-tokens 24 --epochs 1   # CPU smoke
+    python bench/train_quality_gpu.py --gguf SmolLM2.gguf --train-prompts sharegpt.jsonl \
+        --eval-prompts mtbench.jsonl --work /root/q --out $OUT/q --deadline-s 540          # H200
+    python bench/train_quality_gpu.py --smoke --work /tmp/qs --out /tmp/qs/out             # CPU, a few minutes
 """
 
 from __future__ import annotations
@@ -34,10 +34,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 
+from bench.quality_plan import DataVariant, Clock, plan, write_table  # noqa: E402
+from eagle3.errors import PipelineError  # noqa: E402
 from eagle3.extract.config import ExtractConfig, ShardPlanConfig  # noqa: E402
 from eagle3.extract.extractor import extract_shard  # noqa: E402
 from eagle3.extract.plan import plan_shards  # noqa: E402
-from eagle3.errors import PipelineError  # noqa: E402
 from eagle3.io import atomic_path, read_json  # noqa: E402
 from eagle3.merge.config import MergeConfig  # noqa: E402
 from eagle3.merge.run import run_merge  # noqa: E402
@@ -58,151 +59,200 @@ def target_folder(args, work: Path) -> Path:
     return out
 
 
-def generate(args, model_path: Path, work: Path, device: str, times: dict) -> Path:
-    """The target's answers, in parts of --part-size prompts (a finished part is never redone), written as
-    one datagen-style dataset folder per part: greedy answers first (S00, S01, ...), then --sampled-passes
-    passes over the same prompts sampled at --temperature (T000, ...: more distinct contexts; the teacher is
-    the target's own distribution at every position either way). With --gen-seconds, no new part starts
-    once the time spent plus the last part's duration would pass it, and with --gen-max-answer-tokens none
-    once this run made that many answer tokens (states take 4 x hidden x 2 bytes a token on disk): the run
-    trains on the parts done."""
-    prompts = sd.make_prompts(args.prompts)
-    root = work / "datagen"
-    parts = [(f"S{i // args.part_size:02d}", i, 0.0, 0) for i in range(0, len(prompts), args.part_size)]
-    for p in range(args.sampled_passes):
-        parts += [(f"T{p}{i // args.part_size:02d}", i, args.temperature, 1 + p * 1000 + i // args.part_size)
-                  for i in range(0, len(prompts), args.part_size)]
-    todo = [part for part in parts if not (root / part[0] / "tokenized.jsonl").is_file()]
-    if not todo:
-        return root
-    t = time.time()
-    dtype = args.gen_dtype or ("bfloat16" if device == "cuda" else "float32")
-    model, tok = load_model(model_path, dtype=dtype, device=device), load_tokenizer(model_path)
-    answer_tokens, last_part_s = 0, 0.0
-    for n_done, (name, i, temperature, seed) in enumerate(todo):
-        over_time = args.gen_seconds and time.time() - t + last_part_s > args.gen_seconds
-        if over_time or (args.gen_max_answer_tokens and answer_tokens >= args.gen_max_answer_tokens):
-            log.info("generation budget reached (%s s, %s answer tokens): %d of %d parts left undone",
-                     args.gen_seconds, args.gen_max_answer_tokens, len(todo) - n_done, len(parts))
+def read_first_turns(path: str, n: int, tokenizer, max_prompt_tokens: int) -> list[str]:
+    """The first human turn of the first n usable lines (a prompt JSONL the datagen reads), in file order;
+    prompts longer than max_prompt_tokens are passed over (generation batches stay dense)."""
+    from eagle3.datagen.prompts import BadLine, parse_prompt_line
+
+    out = []
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            if len(out) >= n:
+                break
+            try:
+                _, turns = parse_prompt_line(json.loads(line))
+            except (json.JSONDecodeError, BadLine):
+                continue
+            if len(sd.prompt_ids(tokenizer, turns[0])) <= max_prompt_tokens:
+                out.append(turns[0])
+    if not out:
+        raise PipelineError(f"{path}: no usable prompt")
+    return out
+
+
+def generate(args, prompts: list[str], model_path: Path, root: Path, temperature: float, clock: Clock,
+             device: str) -> int:
+    """The target's answers in parts of --part-size prompts (a finished part is never redone), one datagen-style
+    dataset folder per part under root; no part starts past the clock's deadline. Returns the prompts answered."""
+    parts = [(f"P{i // args.part_size:03d}", i) for i in range(0, len(prompts), args.part_size)]
+    todo = [p for p in parts if not (root / p[0] / "tokenized.jsonl").is_file()]
+    model = tok = None
+    for name, i in todo:
+        chunk = prompts[i:i + args.part_size]
+        if not clock.allows("generate", len(chunk)):
+            log.info("generation at %s: deadline, %d parts left", root.name, len(todo) - todo.index((name, i)))
             break
-        t_part = time.time()
-        samples = sd.generate_answers(model, tok, prompts[i:i + args.part_size], args.new_tokens,
-                                      batch_size=args.gen_batch, log_every=4, temperature=temperature, seed=seed)
-        folder = root / name
-        folder.mkdir(parents=True, exist_ok=True)
-        with atomic_path(folder / "tokenized.jsonl") as tmp:
-            with open(tmp, "w") as f:
-                for j, s in enumerate(samples):
-                    f.write(json.dumps({"sample_id": f"{name}-{i + j}", "dataset": name, **s}) + "\n")
-        last_part_s = time.time() - t_part
-        n_answer = sum(sum(s["loss_mask"]) for s in samples)
-        answer_tokens += n_answer
-        log.info("dataset %s (temperature %s): %d samples, %d answer tokens, %.0f answer tok/s", name, temperature,
-                 len(samples), n_answer, n_answer / last_part_s)
-    times["generate_s"] = round(time.time() - t, 1)
-    times["generate_answer_tok_per_s"] = round(answer_tokens / max(1e-9, times["generate_s"]))
-    times["generate_dtype"] = dtype
-    del model
-    return root
+        if model is None:
+            dtype = "bfloat16" if device == "cuda" else "float32"
+            model, tok = load_model(model_path, dtype=dtype, device=device), load_tokenizer(model_path)
+        t = time.time()
+        samples = sd.generate_answers(model, tok, chunk, args.new_tokens, batch_size=args.gen_batch, log_every=4,
+                                      temperature=temperature, seed=1 + i // args.part_size)
+        clock.record("generate", len(chunk), time.time() - t)
+        (root / name).mkdir(parents=True, exist_ok=True)
+        with atomic_path(root / name / "tokenized.jsonl") as tmp, open(tmp, "w") as f:
+            for j, s in enumerate(samples):
+                f.write(json.dumps({"sample_id": f"{root.name}-{i + j}", "dataset": name, **s}) + "\n")
+        log.info("%s/%s: %d answers, %.0f answer tok/s", root.name, name, len(samples),
+                 sum(sum(s["loss_mask"]) for s in samples) / (time.time() - t))
+    return sum(min(args.part_size, len(prompts) - i) for name, i in parts if (root / name / "tokenized.jsonl").is_file())
+
+
+def prepare_data(args, data: DataVariant, work: Path, model_path: Path, info, clock: Clock, parts: int):
+    """Merge (the first `parts` answer parts of the variant's answers, length cap) and extraction (storage
+    dtype) of one data variant: (its shard folders, the merge report)."""
+    folder = work / f"data-{data.key}"
+    root = work / "datagen" / data.answers
+    inputs = [str(root / f"P{p:03d}") for p in range(parts)]
+    merged = run_merge(MergeConfig(inputs=inputs, output_dir=str(folder / "merge"), max_seq_len=data.max_seq_len,
+                                   vocab_size=info.vocab_size, hidden_size=info.hidden_size))
+    t = time.time()
+    capture = default_capture_layers(info.num_layers)
+    shards = [extract_shard(ExtractConfig(model_path=str(model_path), extract_dir=str(folder / "extract"),
+                                          capture_layers=capture, storage_dtype=data.storage, chunk_mb=256,
+                                          token_budget=65536), spec)
+              for spec in plan_shards(ShardPlanConfig(str(folder / "merge"), args.shards))]
+    clock.record("extract", merged["tokens"], time.time() - t)
+    return [s["shard_dir"] for s in shards], merged
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    src = ap.add_mutually_exclusive_group(required=True)
+    src = ap.add_mutually_exclusive_group()
     src.add_argument("--gguf", help="SmolLM2-135M-Instruct GGUF file (converted once into <work>/model)")
     src.add_argument("--model", help="an HF folder of the target")
+    ap.add_argument("--train-prompts", help="prompt JSONL (python -m eagle3 prompts sharegpt OUT)")
+    ap.add_argument("--eval-prompts", default="mtbench", help="MT-bench JSONL (python -m eagle3 prompts mtbench OUT)")
     ap.add_argument("--work", required=True)
     ap.add_argument("--out", required=True)
-    ap.add_argument("--prompts", type=int, default=16000)
-    ap.add_argument("--part-size", type=int, default=4000)
-    ap.add_argument("--heldout", type=int, default=40)
-    ap.add_argument("--new-tokens", type=int, default=320)
-    ap.add_argument("--gen-batch", type=int, default=1024)
-    ap.add_argument("--gen-dtype", default=None, help="dtype of the generating target (default bfloat16 on GPU)")
-    ap.add_argument("--gen-seconds", type=float, default=0, help="time budget for generation (0 = none)")
-    ap.add_argument("--gen-max-answer-tokens", type=float, default=0, help="no new part past this many (0 = none)")
-    ap.add_argument("--sampled-passes", type=int, default=0, help="passes of sampled answers after the greedy one")
-    ap.add_argument("--temperature", type=float, default=0.8, help="temperature of the sampled passes")
-    ap.add_argument("--max-seq-len", type=int, default=512)
+    ap.add_argument("--deadline-s", type=float, default=540, help="wall seconds from start; no stage starts past it")
+    ap.add_argument("--prompts", type=int, default=3000)
+    ap.add_argument("--max-prompt-tokens", type=int, default=768)
+    ap.add_argument("--part-size", type=int, default=1000)
+    ap.add_argument("--new-tokens", type=int, default=256)
+    ap.add_argument("--gen-batch", type=int, default=1000)
+    ap.add_argument("--temperature", type=float, default=0.8, help="the sampled-answers ablation")
+    ap.add_argument("--max-seq-len", type=int, default=512, help="the main run's (the ablation: 2048)")
     ap.add_argument("--shards", type=int, default=2)
-    ap.add_argument("--epochs", type=int, default=5)
-    ap.add_argument("--train-tokens", type=float, default=0,
-                    help="epochs = round(this / merged tokens), at least 1 (overrides --epochs)")
+    ap.add_argument("--epochs", type=int, default=3)
+    ap.add_argument("--ttt-steps", type=int, default=7)
+    ap.add_argument("--draft-vocab", type=int, default=32000)
     ap.add_argument("--batch-size", type=int, default=32)
-    ap.add_argument("--lr", type=float, default=5e-4)
-    ap.add_argument("--compile", action="store_true", help="torch.compile the TTT loss (default: eager)")
-    ap.add_argument("--eval-new-tokens", type=int, default=128)
-    ap.add_argument("--floor-prompts", type=int, default=8)
-    ap.add_argument("--k", type=int, default=5)
+    ap.add_argument("--lr", type=float, default=8e-4)
+    ap.add_argument("--max-steps", type=int, default=0, help="cap on optimizer steps (0 = epochs decide)")
+    ap.add_argument("--eval-new-tokens", type=int, default=512)
+    ap.add_argument("--eval-conversations", type=int, default=0, help="MT-bench questions (0 = all 80)")
+    ap.add_argument("--ks", type=lambda v: [int(x) for x in v.split(",")], default=[5, 7])
+    ap.add_argument("--ablations", default="all", help="comma list of ablation names, `all` or `none`")
+    ap.add_argument("--smoke", action="store_true", help="CPU: tiny everything (the cached SmolLM2 folder)")
     args = ap.parse_args()
+    if args.smoke:
+        args.prompts, args.part_size, args.new_tokens, args.gen_batch, args.max_steps = 12, 6, 12, 12, 3
+        args.eval_new_tokens, args.eval_conversations, args.ks, args.shards, args.batch_size = 8, 1, [2, 3], 1, 4
+        args.epochs, args.draft_vocab, args.deadline_s = 1, 2000, max(args.deadline_s, 3600)
     work, out = Path(args.work), Path(args.out)
     work.mkdir(parents=True, exist_ok=True)
     out.mkdir(parents=True, exist_ok=True)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s",
                         handlers=[logging.StreamHandler(sys.stdout), logging.FileHandler(work / "run.log")])
+    clock = Clock(time.time() + args.deadline_s, work / "clock.json")
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    times: dict = {}
+    if args.smoke:
+        from eagle3.models import ensure_smollm2
 
-    t = time.time()
+        args.model = args.model or str(ensure_smollm2())
+    if not args.train_prompts:
+        from eagle3.datagen.public_prompts import write_mtbench, write_sharegpt
+
+        args.train_prompts = str(work / "sharegpt.jsonl")
+        if not Path(args.train_prompts).is_file():
+            write_sharegpt(args.train_prompts, limit=max(200, 2 * args.prompts))
+        if args.eval_prompts == "mtbench":
+            args.eval_prompts = str(work / "mtbench.jsonl")
+            write_mtbench(args.eval_prompts)
     model_path = target_folder(args, work)
-    times["convert_s"] = round(time.time() - t, 1)
-    info = model_info(model_path)
-    datagen = generate(args, model_path, work, device, times)
+    info, tok = model_info(model_path), load_tokenizer(model_path)
+    prompts = read_first_turns(args.train_prompts, args.prompts, tok, args.max_prompt_tokens)
+    rows, variants = [], plan(args)
+    meta = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "argv": sys.argv[1:],
+            "device": torch.cuda.get_device_name(0) if device == "cuda" else "cpu", "torch": torch.__version__,
+            "prompts": len(prompts)}
 
-    t = time.time()
-    merged = run_merge(MergeConfig(inputs=[str(datagen)], output_dir=str(work / "merge"), max_seq_len=args.max_seq_len,
-                                   vocab_size=info.vocab_size, hidden_size=info.hidden_size))
-    times["merge_s"] = round(time.time() - t, 1)
+    answered = generate(args, prompts, model_path, work / "datagen" / "greedy", 0.0, clock, device)
+    greedy_parts = -(-answered // args.part_size)
+    shards_of: dict = {}
+    for v in variants:
+        if not clock.allows("variant", v.cost) and not (work / f"eval-{v.name}" / "report.json").is_file():
+            rows.append(v.row(status="not run (deadline)"))
+            write_table(out, meta, rows, variants)
+            continue
+        t0 = time.time()
+        try:
+            parts = greedy_parts
+            if v.data.answers != "greedy":  # the same prompts, as many parts as the greedy answers have
+                done = generate(args, prompts[: answered], model_path, work / "datagen" / v.data.answers,
+                                args.temperature, clock, device)
+                parts = min(parts, done // args.part_size + (done % args.part_size > 0))
+                if parts < greedy_parts:
+                    raise PipelineError(f"{v.data.answers} answers: {parts} of {greedy_parts} parts before the deadline")
+            if v.data.key not in shards_of:
+                shards_of[v.data.key] = prepare_data(args, v.data, work, model_path, info, clock, parts)
+            shard_dirs, merged = shards_of[v.data.key]
+            t = time.time()
+            train = train_phase(TrainConfig(shard_dirs=shard_dirs, model_path=str(model_path),
+                                            output_dir=str(work / f"train-{v.name}"), batch_size=args.batch_size,
+                                            lr=args.lr, warmup_ratio=0.02, checkpoint_every=500, log_every=10,
+                                            max_seq_len=v.data.max_seq_len, max_steps=args.max_steps, compile=False,
+                                            **v.train))
+            train_s = time.time() - t
+            t = time.time()
+            failure = None
+            ecfg = EvalConfig(export_dir=train["export_dir"], model_path=str(model_path), output_dir=str(work / f"eval-{v.name}"),
+                              prompts_file=args.eval_prompts, ks=v.ks, max_new_tokens=args.eval_new_tokens,
+                              max_prompts=args.eval_conversations, random_floor=v.name == "main", floor_max_prompts=8)
+            try:
+                ev = evaluate_phase(ecfg)
+            except PipelineError as e:  # the phase wrote its figures before failing: keep them, say why
+                failure, ev = str(e)[:300], read_json(work / f"eval-{v.name}" / "report.failed.json")
+            rows.append(v.row(status="done" if failure is None else "NOT LOSSLESS", train=train, ev=ev, merged=merged,
+                              train_s=round(train_s, 1), eval_s=round(time.time() - t, 1), failure=failure))
+            if v.name == "main":
+                save_main(out, work, meta, train, ev, merged, failure)
+        except PipelineError as e:
+            log.error("%s: %s", v.name, e)
+            rows.append(v.row(status=f"failed: {str(e)[:200]}"))
+        clock.record("variant", v.cost, time.time() - t0)
+        write_table(out, meta, rows, variants)
+    shutil.copy(work / "run.log", out / "run.log")
+    print((out / "ablations.md").read_text())
 
-    t = time.time()
-    capture = default_capture_layers(info.num_layers)
-    shards = [extract_shard(ExtractConfig(model_path=str(model_path), extract_dir=str(work / "extract"),
-                                          capture_layers=capture, chunk_mb=256, token_budget=65536), spec)
-              for spec in plan_shards(ShardPlanConfig(str(work / "merge"), args.shards))]
-    times["extract_s"] = round(time.time() - t, 1)
 
-    epochs = max(1, round(args.train_tokens / merged["tokens"])) if args.train_tokens else args.epochs
-    t = time.time()
-    train = train_phase(TrainConfig(shard_dirs=[s["shard_dir"] for s in shards], model_path=str(model_path),
-                                    output_dir=str(work / "train"), epochs=epochs, batch_size=args.batch_size,
-                                    lr=args.lr, warmup_ratio=0.02, checkpoint_every=500, max_seq_len=args.max_seq_len,
-                                    compile=args.compile, log_every=10))
-    times["train_s"] = round(time.time() - t, 1)
-
-    t = time.time()
-    lossless_failure = None
-    try:
-        ev = evaluate_phase(EvalConfig(export_dir=train["export_dir"], model_path=str(model_path),
-                                       output_dir=str(work / "evaluate"), k=args.k, max_new_tokens=args.eval_new_tokens,
-                                       prompts=sd.make_prompts(args.heldout, offset=args.prompts),
-                                       floor_max_prompts=args.floor_prompts))
-    except PipelineError as e:  # keep the measured figures: the phase wrote them before failing
-        lossless_failure = str(e)
-        ev = read_json(work / "evaluate" / "report.failed.json")
-    times["eval_s"] = round(time.time() - t, 1)
-
-    tr = ev["results"]["trained"]
-    summary = {
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "argv": sys.argv[1:], "torch": torch.__version__,
-        "device": torch.cuda.get_device_name(0) if device == "cuda" else "cpu",
-        "merged_rows": merged.get("rows"), "merged_tokens": merged.get("tokens"),
-        "answer_tokens": read_json(work / "merge" / "stats.json")["assistant_tokens_out"],
-        "truncated": merged.get("truncated"),
-        "extracted_tokens": sum(s["tokens"] for s in shards), "extract_tok_per_s": [s.get("tok_per_s") for s in shards],
-        "epochs": epochs, "draft_vocab": train["draft_vocab_size"], "steps": train["steps"], "first": train["first"],
-        "last": train["last"],
-        "tau": ev["tau"], "tau_random_init": ev["tau_random_init"], "identical_to_greedy": ev["identical_to_greedy"],
-        "lossless_failure": lossless_failure,
-        "acceptance_rate_by_position": tr["acceptance_rate_by_position"], "accepted_at_least": tr["accepted_at_least"],
-        "tau_breakdown": tr["tau_breakdown"],
-        "eval_prompts": tr["prompts"], "eval_new_tokens": tr["new_tokens"], "times": times,
-    }
+def save_main(out: Path, work: Path, meta: dict, train: dict, ev: dict, merged: dict, failure) -> None:
+    by_k = ev["results"]["trained"]["by_k"]
+    summary = {**meta, "merged_rows": merged.get("rows"), "merged_tokens": merged.get("tokens"),
+               "truncated": merged.get("truncated"), "draft_vocab": train["draft_vocab_size"], "steps": train["steps"],
+               "first": train["first"], "last": train["last"], "tau": ev["tau"],
+               "tau_ended_with_eos": ev["tau_ended_with_eos"], "share_hit_cap": ev["share_hit_cap"],
+               "tau_per_turn": ev["tau_per_turn"], "tau_per_category": ev["tau_per_category"],
+               "tau_random_init": ev["tau_random_init"], "identical_to_greedy": ev["identical_to_greedy"],
+               "lossless_failure": failure, "answers": ev["answers"],
+               "acceptance_rate_by_position": {k: r["acceptance_rate_by_position"] for k, r in by_k.items()},
+               "eval_seconds": ev["results"]["trained"]["seconds"]}
     (out / "quality_gpu.json").write_text(json.dumps(summary, indent=1))
-    for src_file in (work / "train" / "training.png", work / "evaluate" / "acceptance.png",
-                     work / "train" / "metrics.jsonl", work / "merge" / "stats.json"):
-        if src_file.is_file():
-            shutil.copy(src_file, out / src_file.name)
-    print(json.dumps(summary, indent=1))
+    for f in (work / "train-main" / "training.png", work / "eval-main" / "acceptance.png",
+              work / "train-main" / "metrics.jsonl", work / "eval-main" / "report.json"):
+        if f.is_file():
+            shutil.copy(f, out / f"main-{f.name}")
 
 
 if __name__ == "__main__":

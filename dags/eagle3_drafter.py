@@ -8,6 +8,8 @@ Trigger it from the UI (the form is generated from the phase configs by eagle3.c
 `<output_root>/<run_name or run_id>`, so two runs never mix files, and every phase skips the work
 its manifest says is complete: clearing one task (one extraction shard, say) or the whole run
 resumes rather than redoes. docs/operations.md says how to watch a run and backfill one shard.
+The train task produces the Asset `eagle3_drafter` (operators.train.DRAFTER_ASSET): a DAG with
+`schedule=[DRAFTER_ASSET]` runs on every new drafter, its export folder in the event's extra.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from operators.datagen import DatagenOperator
 from operators.extract import ExtractShardOperator, PlanShardsOperator
 from operators.merge import MergeOperator
 from operators.preflight import PreflightOperator
-from operators.train import EvaluateDrafterOperator, TrainDrafterOperator
+from operators.train import DRAFTER_ASSET, EvaluateDrafterOperator, TrainDrafterOperator
 
 GPU_QUEUE = "gpu"  # the Celery queue GPU workers listen on (docker-compose.yml)
 GPU_POOL = "gpu"  # one slot per GPU: at most that many GPU tasks at once
@@ -105,6 +107,8 @@ with DAG(
         config=phase_template("train"),
         shard_dirs=extract.output,
         overrides="{{ params.train_overrides }}",
+        mlflow_conn_id="eagle3_mlflow",  # metrics to MLflow too when this Connection exists
+        outlets=[DRAFTER_ASSET],  # a DAG scheduled on the asset runs after each training
         execution_timeout=timedelta(hours=72),
     )
 

@@ -33,13 +33,15 @@ NVIDIA_SMI_QUERY = "index,name,memory.total,memory.used,driver_version,compute_c
 class PreflightConfig:
     model_path: str = knob(help="HF-format folder of the target model")
     output_dir: str = knob(help="where preflight.json goes")
-    capture_layers: list[int] | None = knob(None, min=1, help="HF hidden_states indices; None = [2, L//2, L-3]")
+    capture_layers: list[int] | str | None = knob(None, min=1, help="HF hidden_states indices; None or 'auto' = "
+                                                                     "[2, L//2, L-3]")
     estimated_tokens: int = knob(0, min=0, param="estimated_tokens", section="Run",
                                  help="Tokens expected for extraction; preflight checks free disk against it "
                                       "(0 = no disk estimate).")
     bytes_per_value: int = knob(2, min=1, help="bytes of one stored hidden-state value (2 = bf16/fp16)")
-    allow_cpu: bool = knob(False, param="allow_cpu", section="Run",
-                           help="Run on the CPU when no GPU is found (demo, tests).")
+    allow_cpu: bool = knob(True, param="allow_cpu", section="Run",
+                           help="Run on the CPU when no GPU is found (the demo); off = a run without a GPU fails "
+                                "in preflight (a GPU worker that lost its GPUs).")
     min_gpus: int = knob(1, min=0, help="GPUs the run needs unless allow_cpu")
     disk_headroom: float = knob(1.1, min=1.0, help="ask for this multiple of the disk estimate")
     tp_size: int = knob(1, min=1, max=64, help="The tensor-parallel size extraction loads the target with "
@@ -160,7 +162,8 @@ def check_model(cfg: PreflightConfig, failures: list[str]) -> dict:
         failures.append(f"model_path {path}: the tokenizer has no chat template (chat_template.jinja or tokenizer_config.json)")
     out["chat_template"] = has_template
     try:
-        out["capture_layers"] = resolve_capture_layers(cfg.capture_layers, info)
+        out["capture_layers"] = resolve_capture_layers(None if cfg.capture_layers == "auto" else cfg.capture_layers,
+                                                       info)
         out["sglang_aux_layer_ids"] = [i - 1 for i in out["capture_layers"]]
     except ConfigError as e:
         failures.append(str(e))
@@ -210,14 +213,17 @@ def check_fit(cfg: PreflightConfig, gpus: list[dict], n_gpus: int, failures: lis
     return out
 
 
-def run_preflight(cfg: PreflightConfig, nvidia_smi: str | None = "nvidia-smi") -> dict:
-    """Run every check, write `<output_dir>/preflight.json`, raise PreflightError listing all failures."""
+def run_preflight(cfg: PreflightConfig, nvidia_smi: str | None = "nvidia-smi", notes: list[str] | None = None) -> dict:
+    """Run every check, write `<output_dir>/preflight.json`, raise PreflightError listing all failures.
+    `notes`: what the run chose before (the datagen server "auto" picked), shown in the summary."""
     failures: list[str] = []
-    report: dict = {"host": platform.node(), "python": platform.python_version()}
+    report: dict = {"host": platform.node(), "python": platform.python_version(), "notes": list(notes or [])}
     report["gpu"] = gpu_report(nvidia_smi)
     report["packages"] = package_versions()
     n_gpus = report["gpu"]["torch"]["device_count"]
     report["device"] = "cuda" if n_gpus else "cpu"
+    if not n_gpus and cfg.allow_cpu:
+        report["notes"].append("no GPU found: the run uses the CPU (allow_cpu; set it false to require a GPU)")
     if n_gpus < cfg.min_gpus and not cfg.allow_cpu:
         failures.append(
             f"found {n_gpus} usable GPU(s) (torch.cuda), need {cfg.min_gpus}; set allow_cpu=true to run on the CPU"
@@ -270,6 +276,8 @@ def format_report(report: dict) -> str:
             line += (f"; {fit['free_bytes_per_gpu'] / 2**30:.1f} GiB free per GPU, smallest tp_size that fits: "
                      f"{fit['smallest_tp_size']}")
         lines.append(line)
+    for note in report.get("notes", []):
+        lines.append(f"  {note}")
     for f in report["failures"]:
         lines.append(f"  FAIL: {f}")
     lines.append("  OK" if report["ok"] else "  preflight FAILED")

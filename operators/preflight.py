@@ -24,11 +24,20 @@ class PreflightOperator(Eagle3Operator[PreflightConfig]):
 
     def run(self, cfg: PreflightConfig, context: Context) -> dict:
         from eagle3.config import check_run
+        from eagle3.errors import ConfigError
         from eagle3.preflight import run_preflight
         from operators._render import rendered
+        from operators.deployment import deployment_problems
 
+        # first: a pool or queue this Airflow lacks would leave tasks waiting forever, hours from now
+        problems = deployment_problems(context["dag"].tasks)
+        if problems:
+            raise ConfigError("this Airflow cannot run every task of the DAG:\n  - " + "\n  - ".join(problems))
         facts = check_run(rendered(self.run_params), context["run_id"], self.gpu_slots) if self.run_params else {}
-        report = run_preflight(cfg)
+        notes = [facts["datagen_server"]] if "datagen_server" in facts else []
+        for note in notes:
+            self.log.info("%s", note)
+        report = run_preflight(cfg, notes=notes)
         model = report["model"]
         return {
             **facts,

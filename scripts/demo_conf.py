@@ -37,7 +37,8 @@ print(json.dumps({
     "epochs": 8,
     "batch_size": 4,
     "lr": 1e-3,
-    "eval_prompts_file": str(REPO / "data/demo/eval.jsonl"),
-    "eval_k": 3,
+    "eval_prompts": str(REPO / "data/demo/eval.jsonl"),
+    "eval_max_prompts": 0,
+    "eval_ks": [3],
     "eval_max_new_tokens": 32,
 }))

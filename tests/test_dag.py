@@ -112,12 +112,14 @@ def test_extraction_params_reach_the_mapped_operator(dag):
 def test_rendered_configs_build_and_follow_the_form(dag, smollm2_path, tmp_path):
     """Render each task's config as Airflow does (native objects, the run_dir macro, preflight's XCom) and build
     the phase config from it: max_seq_len reaches training, the capture layers reach extraction."""
-    from eagle3.config import PHASE_CLASSES, model_facts, with_form_defaults
+    from eagle3.config import PHASE_CLASSES, datagen_server_facts, model_facts, with_form_defaults
     from eagle3.knobs import build
 
     params = with_form_defaults({"model_path": str(smollm2_path), "output_root": str(tmp_path), "run_name": "r",
                                  "max_seq_len": 3000, "token_budget": 1024})
-    facts = model_facts(str(smollm2_path), None)
+    problems: list[str] = []
+    facts = model_facts(str(smollm2_path), "auto") | datagen_server_facts(params, str(smollm2_path), problems)
+    assert not problems
 
     class TI:
         def xcom_pull(self, task_ids):
@@ -141,6 +143,9 @@ def test_rendered_configs_build_and_follow_the_form(dag, smollm2_path, tmp_path)
     assert built["merge"].num_capture_layers == 3 and built["merge"].hidden_size == 576
     assert built["extract"].extract_dir == str(tmp_path / "r" / "extract")
     assert built["evaluate"].export_dir == str(tmp_path / "r" / "train" / "export")
+    # the form's "auto" server, as preflight resolved it (no GPU here: llama.cpp on the packaged GGUF)
+    assert built["datagen"].server_command == facts["server_command"] and "llama_cpp_server" in facts["server_command"]
+    assert built["datagen"].gguf.endswith(".gguf") and built["datagen"].served_model_name == "target"
 
 
 def test_a_config_error_fails_the_task_without_retries(tmp_path):

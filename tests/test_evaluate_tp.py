@@ -28,13 +28,13 @@ def test_tp3_evaluation_is_lossless_and_decodes_as_tp1(export_dir, smollm2_path,
 
     def run(tp: int) -> dict:
         cfg = EvalConfig(export_dir=str(export_dir), model_path=str(smollm2_path), output_dir=str(tmp_path / f"tp{tp}"),
-                         prompts=["What is the capital of France?"], k=3, max_new_tokens=8, random_floor=False,
+                         prompts=["What is the capital of France?"], ks=[3], max_new_tokens=8, random_floor=False,
                          device="cpu", tp_size=tp, rank_timeout_s=300)
         return evaluate_phase(cfg)
 
     tp3, tp1 = run(3), run(1)
     assert tp3["tp_size"] == 3 and tp3["identical_to_greedy"] is True and tp3["results"]["trained"]["mismatches"] == []
-    one, three = tp1["results"]["trained"]["per_prompt"][0], tp3["results"]["trained"]["per_prompt"][0]
+    one, three = (r["results"]["trained"]["by_k"]["3"]["per_answer"][0] for r in (tp1, tp3))
     assert three["new_tokens"] == one["new_tokens"] == 8
     assert three["accepted_per_round"] == one["accepted_per_round"]
 

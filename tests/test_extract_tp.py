@@ -18,6 +18,7 @@ from eagle3.extract.reader import HiddenStateReader
 from eagle3.extract.synthetic import write_merged_dataset
 from eagle3.faults import ENV_VAR as FAULT_ENV
 from eagle3.launch import RankFailed
+from eagle3.monitor import FAILURE_NAME
 
 LAYERS = [2, 15, 27]
 # 3 ranks share 2 cores in CI: few tokens; with token_budget=256 the plan runs 140 and 130 alone and 70 + 65
@@ -93,6 +94,7 @@ def test_rank_killed_mid_shard_then_resume(tp3, smollm2_path, spec, tmp_path, mo
     assert took < 300, took  # spawn + load of 3 ranks on 2 loaded cores, then the kill ends it at once
     committed = ShardManifest.load(shard_dir)
     assert 1 <= len(committed.chunks) < 3 and not committed.complete
+    assert json.loads((shard_dir / FAILURE_NAME).read_text())["error"].startswith("RankFailed")  # the shard view's
     summary = extract_shard(config(smollm2_path, tmp_path, tp_size=3), spec)
     assert summary["resumed_from_chunk"] == len(committed.chunks) and summary["complete"]
     # killed anywhere, the re-run gives the same bytes as an uninterrupted TP 3 run

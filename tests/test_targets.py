@@ -94,11 +94,11 @@ def test_target_extracts_trains_exports_and_decodes_losslessly(model_type, targe
 
     # 3. speculative decoding with the export is the target's greedy decoding, token for token
     ev = EvalConfig(export_dir=report["export_dir"], model_path=str(target), output_dir=str(tmp_path / "eval"),
-                    prompts=make_prompts(2, offset=500), k=3, max_new_tokens=ANSWER_LEN, random_floor=False)
+                    prompts=make_prompts(2, offset=500), ks=[3], max_new_tokens=ANSWER_LEN, random_floor=False)
     result = evaluate_phase(ev)
     trained = result["results"]["trained"]
     assert result["identical_to_greedy"] is True and trained["mismatches"] == []
-    assert trained["rounds"] > 0 and 1.0 <= trained["tau"] <= 4.0
+    assert trained["by_k"]["3"]["rounds"] > 0 and 1.0 <= result["tau"]["3"] <= 4.0
 
 
 @pytest.mark.slow

@@ -16,9 +16,9 @@ import torch
 from eagle3.errors import ConfigError, PipelineError
 from eagle3.train.model import DrafterConfig, Eagle3Drafter
 from eagle3.train.vocab import DraftVocab, build_draft_vocab, load_or_build_vocab
+from tests.train_helpers import CAPTURE, small_config
 
 ROOT = Path(__file__).resolve().parents[1]
-CAPTURE = [2, 15, 27]  # default_capture_layers(30)
 
 
 # ------------------------------------------------------------------ no model needed
@@ -118,37 +118,7 @@ def test_padded_batches_on_gpu_buckets_do_not_change_the_loss():
     torch.testing.assert_close(stats_b, stats_a, atol=1e-4, rtol=1e-5)
 
 
-# ------------------------------------------------------------------ real extracted states
-
-
-@pytest.fixture(scope="module")
-def shards(tmp_path_factory, smollm2_model, smollm2_tokenizer, smollm2_path):
-    """Real self-distillation data: SmolLM2 answers 24 prompts greedily, the reference oracle extracts."""
-    from eagle3.train import selfdistill as sd
-
-    samples = sd.generate_answers(smollm2_model, smollm2_tokenizer, sd.make_prompts(24), max_new_tokens=40)
-    assert all(sum(s["loss_mask"]) > 0 for s in samples)
-    out = tmp_path_factory.mktemp("shards")
-    return sd.write_shards(smollm2_model, samples, out, CAPTURE, num_shards=2, chunk_samples=6,
-                           model_path=str(smollm2_path))
-
-
-def small_config(shards, out, **kw):
-    from eagle3.train.config import TrainConfig
-
-    base = dict(shard_dirs=[str(s) for s in shards], model_path=str(kw.pop("model_path")), output_dir=str(out),
-                batch_size=4, max_steps=24, lr=3e-3, warmup_ratio=0.1, checkpoint_every=4, ttt_steps=3, seed=7)
-    base.update(kw)
-    return TrainConfig(**base)
-
-
-@pytest.fixture(scope="module")
-def trained(shards, smollm2_path, tmp_path_factory):
-    from eagle3.train.run import train_phase
-
-    out = tmp_path_factory.mktemp("train")
-    cfg = small_config(shards, out, model_path=smollm2_path)
-    return cfg, train_phase(cfg)
+# ------------------------------------------------------------------ real extracted states (tests/conftest.py)
 
 
 @pytest.mark.slow
@@ -168,6 +138,13 @@ def test_training_lowers_loss_and_accuracy_beats_random_floor(trained):
     out = Path(cfg.output_dir)
     assert (out / "training.png").read_bytes()[:4] == b"\x89PNG"
     assert json.loads((out / "report.json").read_text())["steps"] == 24
+    # the same loss curve as TensorBoard event files (read back from disk), one point a step
+    from eagle3.train.tracking import read_scalars
+
+    tb = read_scalars(out / "tensorboard")
+    assert [p[0] for p in tb["train/loss"]] == list(range(1, 25))
+    assert [p[1] for p in tb["train/loss"]] == pytest.approx([r["loss"] for r in m], rel=1e-6)  # float32 there
+    assert [p[1] for p in tb["ttt_acc/step2"]] == pytest.approx([r["acc_k"][2] for r in m], rel=1e-6)
 
 
 @pytest.mark.slow
@@ -200,6 +177,36 @@ def test_resume_after_sigkill_reproduces_uninterrupted_run(shards, smollm2_path,
         assert a["lr"] == b["lr"]
         torch.testing.assert_close(torch.tensor([a["loss"], *a["loss_k"], *a["acc_k"]]),
                                    torch.tensor([b["loss"], *b["loss_k"], *b["acc_k"]]), rtol=1e-5, atol=1e-6)
+    # TensorBoard: two event files (killed attempt, resumed one); the resume's purge marker drops the steps the
+    # killed attempt logged after its checkpoint, so each step is read once, with the resumed run's value
+    from eagle3.train.tracking import read_scalars
+
+    assert len(list((kill_dir / "tensorboard").glob("events.out.tfevents.*"))) == 2
+    tb = read_scalars(kill_dir / "tensorboard")["train/loss"]
+    assert [p[0] for p in tb] == list(range(1, steps + 1))
+    assert [p[1] for p in tb] == pytest.approx([r["loss"] for r in got], rel=1e-6)
+
+
+def test_metrics_go_to_mlflow_when_a_tracking_uri_is_set(shards, smollm2_path, tmp_path):
+    """A local MLflow store (sqlite: MLflow 3 refuses a plain folder): the run holds the loss curve, the
+    params, and ends FINISHED; the run id is kept beside the checkpoints for a resume."""
+    from mlflow import MlflowClient
+
+    from eagle3.train.trainer import read_metrics, train
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    cfg = small_config(shards, tmp_path / "run" / "train", model_path=smollm2_path, max_steps=3, mlflow_tracking_uri=uri,
+                       mlflow_experiment="drafters")
+    train(cfg)
+    client = MlflowClient(tracking_uri=uri)
+    run_id = json.loads((tmp_path / "run" / "train" / "mlflow_run.json").read_text())["run_id"]
+    run = client.get_run(run_id)
+    assert run.info.status == "FINISHED" and run.info.run_name == "run"  # the run folder's name
+    assert client.get_experiment(run.info.experiment_id).name == "drafters"
+    assert run.data.params["lr"] == str(cfg.lr) and "shard_dirs" not in run.data.params
+    m = read_metrics(tmp_path / "run" / "train" / "metrics.jsonl")
+    history = sorted((p.step, p.value) for p in client.get_metric_history(run_id, "train/loss"))
+    assert history == [(r["step"], pytest.approx(r["loss"])) for r in m] and len(history) == 3
 
 
 # SGLang's loader (sgl-project/sglang python/sglang/srt/models/llama_eagle3.py, LlamaForCausalLMEagle3):
@@ -274,72 +281,6 @@ def test_export_names_and_shapes_match_sglang_loader(tmp_path, smollm2_path):
 
 
 @pytest.mark.slow
-def test_speculative_decoding_is_lossless_and_reports_acceptance(trained, smollm2_path, tmp_path):
-    from eagle3.train.config import EvalConfig
-    from eagle3.train.run import evaluate_phase
-    from eagle3.train.speculative import tau_of
-    from eagle3.train.selfdistill import make_prompts
-
-    _, report = trained
-    prompts = make_prompts(3, offset=200)  # not among the 24 training prompts
-    cfg = EvalConfig(export_dir=report["export_dir"], model_path=str(smollm2_path), output_dir=str(tmp_path),
-                     prompts=prompts, k=3, max_new_tokens=24, random_floor=False)
-    r = evaluate_phase(cfg)
-    t = r["results"]["trained"]
-    assert r["identical_to_greedy"] is True and all(p["identical_to_greedy"] for p in t["per_prompt"])
-    assert t["prompts"] == 3 and t["rounds"] > 0
-    assert 1.0 <= t["tau"] <= 4.0 and len(t["acceptance_rate_by_position"]) == 3
-    assert t["tau"] == pytest.approx(1 + sum(t["accepted_at_least"]))
-    # the per-round history is the same measurement: it rebuilds tau and covers every new token
-    rounds = [p["accepted_per_round"] for p in t["per_prompt"]]
-    assert sum(len(h) for h in rounds) == t["rounds"] and tau_of(rounds)["tau"] == pytest.approx(t["tau"])
-    # the prefill gives the first new token, each round a + 1 (the last round may pass max_new_tokens or eos)
-    assert all(1 + sum(a + 1 for a in h) >= p["new_tokens"] for h, p in zip(rounds, t["per_prompt"]))
-    split = t["tau_breakdown"]
-    assert split["ended_with_eos"]["prompts"] + split["hit_cap"]["prompts"] == 3
-    assert (tmp_path / "acceptance.png").read_bytes()[:4] == b"\x89PNG"
-    # operator path: same params -> skipped (report reused), returns a small dict
-    from operators.train import EvaluateDrafterOperator
-
-    op = EvaluateDrafterOperator(task_id="evaluate", config={
-        "export_dir": cfg.export_dir, "model_path": cfg.model_path, "output_dir": cfg.output_dir, "prompts": prompts,
-        "k": 3, "max_new_tokens": 24, "random_floor": False})
-    assert op.execute({})["tau"] == round(r["tau"], 3)
-
-
-@pytest.mark.slow
-def test_evaluation_writes_its_report_then_fails_when_not_lossless(trained, smollm2_path, tmp_path, monkeypatch):
-    """A speculative output that differs from greedy decoding fails the phase, naming the prompts, after
-    every prompt ran and the report (with the mismatches) was written for inspection; no report.json that a
-    re-run would take as done."""
-    from eagle3.train import speculative
-    from eagle3.train.config import EvalConfig
-    from eagle3.train.run import evaluate_phase
-    from eagle3.train.selfdistill import make_prompts
-
-    real_greedy = speculative.SpeculativeDecoder.greedy
-
-    def wrong_on_second(self, prompt_ids, max_new_tokens):
-        out = real_greedy(self, prompt_ids, max_new_tokens)
-        return out[:3] + [out[3] + 1] + out[4:] if prompt_ids == second else out
-
-    tok = __import__("eagle3.models", fromlist=["load_tokenizer"]).load_tokenizer(smollm2_path)
-    prompts = make_prompts(2, offset=300)
-    second = tok.apply_chat_template([{"role": "user", "content": prompts[1]}], add_generation_prompt=True,
-                                     return_dict=True)["input_ids"]
-    monkeypatch.setattr(speculative.SpeculativeDecoder, "greedy", wrong_on_second)
-    _, report = trained
-    cfg = EvalConfig(export_dir=report["export_dir"], model_path=str(smollm2_path), output_dir=str(tmp_path),
-                     prompts=prompts, k=3, max_new_tokens=12, random_floor=False)
-    with pytest.raises(PipelineError, match=r"not lossless\) on 1 of 2 prompts.*'prompt': 1, 'first_difference': 3"):
-        evaluate_phase(cfg)
-    failed = json.loads((tmp_path / "report.failed.json").read_text())
-    assert failed["fingerprint"] is None and failed["identical_to_greedy"] is False
-    assert [p["identical_to_greedy"] for p in failed["results"]["trained"]["per_prompt"]] == [True, False]
-    assert not (tmp_path / "report.json").exists()
-
-
-@pytest.mark.slow
 def test_train_operator_skips_a_finished_run(trained):
     from operators.train import TrainDrafterOperator
 
@@ -373,8 +314,6 @@ def write_fake_shard(d: Path, hidden: int, tokens: int) -> Path:
 
 
 def test_bad_inputs_fail_clearly(tmp_path, smollm2_path):
-    from eagle3.train.config import EvalConfig
-    from eagle3.train.run import load_prompts
     from eagle3.train.trainer import train
 
     other = write_fake_shard(tmp_path / "other-model", hidden=64, tokens=8)
@@ -390,14 +329,6 @@ def test_bad_inputs_fail_clearly(tmp_path, smollm2_path):
         small_config([], tmp_path / "o4", model_path=smollm2_path)
     with pytest.raises(PipelineError, match="manifest is missing"):
         train(small_config([tmp_path / "nowhere"], tmp_path / "o5", model_path=smollm2_path))
-    with pytest.raises(ConfigError, match="eval param k"):
-        EvalConfig(export_dir="x", model_path="y", output_dir="z", prompts=["hi"], k=0)
-    bad = tmp_path / "prompts.jsonl"
-    bad.write_text('{"prompt": "ok"}\n{"text": "no prompt key"}\n')
-    with pytest.raises(ConfigError, match=r"prompts.jsonl:2"):
-        load_prompts(EvalConfig(export_dir="x", model_path="y", output_dir="z", prompts_file=str(bad)), None)
-
-
 def test_tau_over_first_tokens_and_by_answer_end():
     from eagle3.train.speculative import tau_breakdown, tau_of
 

@@ -39,10 +39,16 @@ def test_bad_train_and_eval_params_are_config_errors_naming_them(tmp_path):
         build(TrainConfig, {**required(tmp_path), "draft_vocab_size": 0}, "train")
     with pytest.raises(ConfigError, match=r"max_seq_len 5 must be >= ttt_steps \+ 2 = 9"):
         build(TrainConfig, {**required(tmp_path), "max_seq_len": 5, "ttt_steps": 7}, "train")
-    with pytest.raises(ConfigError, match="eval param k"):
-        build(EvalConfig, {"export_dir": "x", "model_path": "y", "output_dir": "z", "prompts": ["hi"], "k": 0}, "eval")
+    eval_required = {"export_dir": "x", "model_path": "y", "output_dir": "z", "prompts": ["hi"]}
+    with pytest.raises(ConfigError, match=r"eval param ks \(trigger-form param eval_ks\) must be >= 1"):
+        build(EvalConfig, {**eval_required, "ks": [5, 0]}, "eval")
+    with pytest.raises(ConfigError, match=r"eval param ks .* lists a k twice: \[5, 5\]"):
+        build(EvalConfig, {**eval_required, "ks": [5, 5]}, "eval")
+    with pytest.raises(ConfigError, match=r"unknown param\(s\) \['k'\]"):  # the single k became ks
+        build(EvalConfig, {**eval_required, "k": 5}, "eval")
     names = set(form_params(EvalConfig))
-    assert names == {"eval_prompts_file", "eval_k", "eval_max_new_tokens"}
+    assert names == {"eval_prompts", "eval_ks", "eval_max_new_tokens", "eval_max_prompts"}
+    assert form_params(EvalConfig)["eval_ks"]["default"] == [5, 7]
     assert "max_seq_len" not in form_params(TrainConfig)  # the run configuration fills it from merge's cap
 
 

@@ -106,7 +106,7 @@ def check_patterns(cfg, where: str) -> None:
 @dataclass
 class ShardPlanConfig:
     merge_dir: str = knob(help="The merged dataset (eagle3.merge.dataset) to split into shards.")
-    num_shards: int = knob(4, min=1, max=4096, param="num_shards", section=SECTION,
+    num_shards: int = knob(2, min=1, max=4096, param="num_shards", section=SECTION,
                            help="Extraction tasks (shards of about equal tokens); one GPU each at a time.")
 
     def __post_init__(self):

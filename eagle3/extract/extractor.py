@@ -37,6 +37,7 @@ from eagle3.extract.plan import ShardData, ShardSpec, load_shard_data
 from eagle3.faults import maybe_inject_fault
 from eagle3.io import MANIFEST_NAME, PhaseOutput, fingerprint, remove_stale_temps
 from eagle3.models import model_info, resolve_capture_layers
+from eagle3.monitor import clear_failure, record_failure
 
 log = logging.getLogger(__name__)
 
@@ -375,11 +376,20 @@ class ShardExtractor:
 
 
 def extract_shard(cfg: ExtractConfig, spec: ShardSpec | dict, backend: ExtractionBackend | None = None,
-                  model_config: dict | None = None) -> dict:
+                  model_config: dict | None = None, try_number: int | None = None) -> dict:
     """Extract one shard (resumable, a no-op when complete) and return a small JSON-able summary.
-    tp_size > 1: in tp_size ranks (eagle3.extract.tp)."""
-    if cfg.tp_size > 1 and backend is None:
-        from eagle3.extract.tp import extract_shard_tp
+    tp_size > 1: in tp_size ranks (eagle3.extract.tp). A failure leaves last_error.json (its first line,
+    `try_number`) in the shard folder for the shard view (eagle3.monitor); the next attempt removes it."""
+    spec = spec if isinstance(spec, ShardSpec) else ShardSpec.from_dict(spec)
+    shard_dir = Path(cfg.extract_dir) / f"shard-{spec.shard:05d}"
+    clear_failure(shard_dir)
+    try:
+        if cfg.tp_size > 1 and backend is None:
+            from eagle3.extract.tp import extract_shard_tp
 
-        return extract_shard_tp(cfg, spec)
-    return ShardExtractor(cfg, spec, backend=backend, model_config=model_config).run()
+            return extract_shard_tp(cfg, spec)
+        return ShardExtractor(cfg, spec, backend=backend, model_config=model_config).run()
+    except BaseException as e:  # a kill by Airflow (SIGTERM) too; SIGKILL leaves nothing, the view then asks Airflow
+        shard_dir.mkdir(parents=True, exist_ok=True)
+        record_failure(shard_dir, e, try_number)
+        raise

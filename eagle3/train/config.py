@@ -17,7 +17,7 @@ TRAINING, EVALUATION = "Training", "Evaluation"
 # Params that change how a run goes, not what it produces: a finished run with other values is reused.
 # num_gpus and parallel too: the global batch and its loss are the same at any N, so a run resumes at another N.
 _NOT_IN_FINGERPRINT = ("device", "log_every", "log_every_s", "checkpoint_every", "keep_checkpoints", "compile",
-                       "num_gpus", "parallel", "dist_timeout_s")
+                       "mlflow_tracking_uri", "mlflow_experiment", "num_gpus", "parallel", "dist_timeout_s")
 PARALLEL_CHOICES = ("ddp", "fsdp")
 
 
@@ -52,6 +52,9 @@ class TrainConfig:
     log_every_s: float = knob(10.0, min=0, help="A progress line in the task log at most this often (seconds).")
     compile: bool = knob(True, help="torch.compile the TTT loss on GPU.")
     pad_multiple: int = knob(256, min=1, help="Compiled: pad batch lengths to pad_multiple * 2^j (few graphs).")
+    mlflow_tracking_uri: str = knob("", help="Also log the metrics to MLflow here (the operator sets it from an "
+                                             "Airflow Connection); TensorBoard event files are always written.")
+    mlflow_experiment: str = knob("eagle3", help="The MLflow experiment of the run.")
     num_gpus: int = knob(1, min=1, max=64, param="train_num_gpus", section=TRAINING,
                          help="GPUs (ranks) training uses; each micro-batch's samples are spread over them, so the "
                               "global batch (batch_size x grad_accum) is the same at any N. On the CPU: gloo ranks.")
@@ -83,15 +86,23 @@ class EvalConfig:
     export_dir: str = knob(help="The drafter export to evaluate (the training phase's export/).")
     model_path: str = knob(help="The target model (HF folder).")
     output_dir: str = knob(help="The evaluation folder: report.json, acceptance.png.")
-    prompts: list[str] = knob(default_factory=list, help="Held-out user prompts (besides prompts_file).")
-    prompts_file: str = knob("", param="eval_prompts_file", section=EVALUATION,
-                             help="Held-out prompts (JSONL with prompt or messages).")
-    k: int = knob(5, min=1, max=32, param="eval_k", section=EVALUATION, help="Draft tokens per target forward.")
+    prompts: list[str] = knob(default_factory=list, help="Held-out user prompts, one turn each (besides prompts_file).")
+    prompts_file: str = knob("", param="eval_prompts", section=EVALUATION,
+                             help="Held-out conversations: `mtbench` (MT-bench's 80 two-turn questions, from the "
+                                  "public-data extra) or a JSONL file (MT-bench question.jsonl or a prompt file).")
+    ks: list[int] = knob(default_factory=lambda: [5, 7], min=1, max=32, param="eval_ks", section=EVALUATION,
+                         schema={"minItems": 1, "maxItems": 4},
+                         help="Draft tokens per target forward: one speculative pass per k.")
     max_new_tokens: int = knob(64, min=1, param="eval_max_new_tokens", section=EVALUATION,
-                               help="Tokens generated per prompt.")
-    max_prompts: int = knob(0, min=0, help="Evaluate the first N prompts only (0 = all).")
+                               help="Tokens generated per answer (each turn).")
+    max_prompts: int = knob(0, min=0, param="eval_max_prompts", section=EVALUATION,
+                            help="Evaluate N conversations, taken round-robin over categories (0 = all).")
+    decoder: str = knob("batched", choices=("batched", "sequential"),
+                        help="Speculative decoder (eagle3.train.evaluation.DECODERS): batched (many answers at "
+                             "once, lossless by a teacher-forced check); sequential (one at a time, for the bench).")
     random_floor: bool = knob(True, help="Also evaluate a randomly initialised drafter of the same shape.")
-    floor_max_prompts: int = knob(0, min=0, help="The random floor on the first N prompts only (0 = all): slow.")
+    floor_max_prompts: int = knob(0, min=0, help="The random floor (at the first k) on the first N answers only "
+                                                 "(0 = all): slow.")
     seed: int = knob(0, min=0, help="Seed of the random-floor drafter.")
     device: str = knob("auto", help="auto = cuda when available; the target runs in fp32 there too.")
     # the run configuration sets it from the form's extract_tp_size: a target extraction needed N GPUs for needs
@@ -104,3 +115,5 @@ class EvalConfig:
         check_knobs(self, "eval")
         if not self.prompts and not self.prompts_file:
             raise ConfigError("eval needs held-out prompts: give `prompts` or `prompts_file`")
+        if len(set(self.ks)) != len(self.ks):
+            raise ConfigError(f"eval param ks (trigger-form param eval_ks) lists a k twice: {self.ks}")

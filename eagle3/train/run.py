@@ -3,20 +3,20 @@
 train_phase:    shards -> <train_dir>/{draft_vocab.safetensors, checkpoints/, metrics.jsonl, export/,
                 training.png, report.json}. A finished run (report.json complete with the same fingerprint
                 and the export present) is skipped; a killed one resumes from its last checkpoint.
-evaluate_phase: export + target + held-out prompts -> <eval_dir>/{report.json, acceptance.png}.
+evaluate_phase: export + target + held-out conversations (MT-bench) -> <eval_dir>/{report.json, acceptance.png}
+                (eagle3.train.evaluation: every turn, each k, lossless check).
 report.json is each phase's record (eagle3.io.PhaseOutput): written last, it says the phase is complete.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import asdict
 from pathlib import Path
 
 import torch
 
-from eagle3.errors import ConfigError, PipelineError
+from eagle3.errors import PipelineError
 from eagle3.io import PhaseOutput, atomic_path, atomic_write_json, fingerprint, sha256_file
 from eagle3.train.config import EvalConfig, TrainConfig
 from eagle3.train.export import WEIGHTS_FILE, export_drafter, load_exported
@@ -60,7 +60,7 @@ def plot_acceptance(reports: dict, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(6, 4))
     for name, r in reports.items():
         xs = list(range(1, r["k"] + 1))
-        ax.plot(xs, r["acceptance_rate_by_position"], "o-", label=f"{name}: conditional (tau {r['tau']:.2f})")
+        ax.plot(xs, r["acceptance_rate_by_position"], "o-", label=f"{name}: conditional (tau {r['tau'] or 0:.2f})")
         ax.plot(xs, r["accepted_at_least"], "x--", label=f"{name}: P(>= i accepted)")
     ax.set(xlabel="draft position i", ylabel="acceptance rate", ylim=(0, 1.02), title="Acceptance by draft position")
     ax.legend(fontsize=7)
@@ -96,32 +96,26 @@ def train_phase(cfg: TrainConfig) -> dict:
     })
 
 
-def load_prompts(cfg: EvalConfig, tokenizer) -> list[list[int]]:
-    chats = [[{"role": "user", "content": p}] for p in cfg.prompts]
+def load_conversations(cfg: EvalConfig):
+    from eagle3.train.evaluation import EvalConversation, read_conversations, select
+
+    convs = [EvalConversation([p], question_id=f"prompts[{i}]") for i, p in enumerate(cfg.prompts)]
     if cfg.prompts_file:
-        path = Path(cfg.prompts_file)
-        if not path.is_file():
-            raise ConfigError(f"eval param prompts_file: {path} does not exist")
-        for n, line in enumerate(path.read_text().splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-                chats.append(obj["messages"] if "messages" in obj else [{"role": "user", "content": obj["prompt"]}])
-            except (json.JSONDecodeError, KeyError, TypeError) as e:
-                raise ConfigError(f"{path}:{n}: expected {{\"prompt\": str}} or {{\"messages\": [...]}}: {e}") from e
-    if cfg.max_prompts:
-        chats = chats[: cfg.max_prompts]
-    return [tokenizer.apply_chat_template(c, add_generation_prompt=True, return_dict=True)["input_ids"] for c in chats]
+        convs += read_conversations(cfg.prompts_file)
+    return select(convs, cfg.max_prompts)
 
 
-def speculate(cfg: EvalConfig, device: torch.device, tp: bool = False) -> dict:
-    """Load the export, the target and the prompts; speculate with the trained drafter (and the random floor).
+def _headline(results: dict, key: str) -> dict:
+    return {k: r[key] for k, r in results["by_k"].items()}
+
+
+def speculate(cfg: EvalConfig, convs: list, device: torch.device, tp: bool = False) -> dict:
+    """Load the export and the target; speculate on `convs` with the trained drafter (and the random floor).
     tp: this process is one rank of cfg.tp_size: the target is loaded with transformers' tp_plan (its ranks run
     every forward together, each with the whole drafter)."""
     from eagle3.models import load_model, load_tokenizer
+    from eagle3.train.evaluation import evaluate_conversations, make_decoder
     from eagle3.train.model import Eagle3Drafter
-    from eagle3.train.speculative import evaluate
 
     drafter, vocab, config = load_exported(cfg.export_dir)
     drafter.to(device)
@@ -137,29 +131,32 @@ def speculate(cfg: EvalConfig, device: torch.device, tp: bool = False) -> dict:
         target.eval()
     else:
         target = load_model(cfg.model_path, device=str(device))
-    prompts = load_prompts(cfg, tok)
-    reports = {"trained": evaluate(target, drafter, vocab, capture, tok.eos_token_id, prompts, cfg.max_new_tokens, cfg.k)}
+    dec = make_decoder(cfg.decoder, target, drafter, vocab, capture, tok.eos_token_id)
+    trained = evaluate_conversations(dec, tok, convs, cfg.max_new_tokens, cfg.ks)
+    results = {"trained": trained}
     if cfg.random_floor:
         torch.manual_seed(cfg.seed)
         floor = Eagle3Drafter(drafter.cfg).eval().to(device)
-        reports["random_init"] = evaluate(target, floor, vocab, capture, tok.eos_token_id,
-                                          prompts[: cfg.floor_max_prompts or None], cfg.max_new_tokens, cfg.k,
-                                          check_greedy=False)
-    return reports
+        floor_dec = make_decoder(cfg.decoder, target, floor, vocab, capture, tok.eos_token_id)
+        results["random_init"] = evaluate_conversations(floor_dec, tok, convs, cfg.max_new_tokens, cfg.ks[:1],
+                                                        turns=trained["turns"][: cfg.floor_max_prompts or None],
+                                                        check_greedy=False)
+        results["random_init"].pop("turns")
+    return results
 
 
-def speculate_rank(cfg: EvalConfig) -> dict | None:
-    """One rank of a tensor-parallel evaluation (run by eagle3.launch.run_distributed): rank 0 returns the reports."""
+def speculate_rank(cfg: EvalConfig, convs: list) -> dict | None:
+    """One rank of a tensor-parallel evaluation (run by eagle3.launch.run_distributed): rank 0 returns the results."""
     import torch.distributed as dist
 
     device = pick_device(cfg.device)
     if device.type == "cuda":
         device = torch.device("cuda", torch.cuda.current_device())
-    reports = speculate(cfg, device, tp=True)
-    return reports if dist.get_rank() == 0 else None
+    results = speculate(cfg, convs, device, tp=True)
+    return results if dist.get_rank() == 0 else None
 
 
-def speculate_tp(cfg: EvalConfig, device: torch.device) -> dict:
+def speculate_tp(cfg: EvalConfig, convs: list, device: torch.device) -> dict:
     """speculate() with the target in cfg.tp_size ranks (nccl on GPUs, gloo on the CPU); the checks first."""
     from eagle3.fit import check_tp_divides, load_config
     from eagle3.launch import run_distributed
@@ -167,7 +164,7 @@ def speculate_tp(cfg: EvalConfig, device: torch.device) -> dict:
 
     check_tp_divides(load_config(cfg.model_path), cfg.tp_size, "extract_tp_size", where=str(cfg.model_path))
     backend = check_backend(device, cfg.tp_size, "extract_tp_size")
-    return run_distributed("eagle3.train.run:speculate_rank", (cfg,), nprocs=cfg.tp_size, backend=backend,
+    return run_distributed("eagle3.train.run:speculate_rank", (cfg, convs), nprocs=cfg.tp_size, backend=backend,
                            timeout_s=cfg.rank_timeout_s, name="eagle3-evaluate")[0]
 
 
@@ -182,18 +179,27 @@ def evaluate_phase(cfg: EvalConfig) -> dict:
     if (done := record.completed()) is not None:
         return done
     record.invalidate()
+    convs = load_conversations(cfg)  # a bad prompt file fails before the models load
     device = pick_device(cfg.device)
-    reports = speculate_tp(cfg, device) if cfg.tp_size > 1 else speculate(cfg, device)
+    results = speculate_tp(cfg, convs, device) if cfg.tp_size > 1 else speculate(cfg, convs, device)
+    trained = results["trained"]
+    turns = trained.pop("turns")
     out.mkdir(parents=True, exist_ok=True)
-    plot_acceptance(reports, out / "acceptance.png")
-    trained = reports["trained"]
-    report = {"params": asdict(cfg), "device": str(device), "tp_size": cfg.tp_size, "tau": trained["tau"],
-              "tau_random_init": reports.get("random_init", {}).get("tau"),
-              "identical_to_greedy": trained["identical_to_greedy"], "results": reports,
+    plot_acceptance({f"{name} k={k}": r for name, res in results.items() for k, r in res["by_k"].items()},
+                    out / "acceptance.png")
+    report = {"params": asdict(cfg), "device": str(device), "tp_size": cfg.tp_size, "conversations": len(convs),
+              "answers": len(turns), "ks": cfg.ks, "tau": _headline(trained, "tau"),
+              "tau_ended_with_eos": _headline(trained, "tau_ended_with_eos"),
+              "share_hit_cap": _headline(trained, "share_hit_cap"),
+              "tau_per_turn": {k: {t: s["tau"] for t, s in r["per_turn"].items()} for k, r in trained["by_k"].items()},
+              "tau_per_category": {k: {c: s["tau"] for c, s in r["per_category"].items()}
+                                   for k, r in trained["by_k"].items()},
+              "tau_random_init": _headline(results["random_init"], "tau") if cfg.random_floor else None,
+              "identical_to_greedy": trained["identical_to_greedy"], "results": results,
               "plot": str(out / "acceptance.png")}
     if trained["mismatches"]:  # the report stays beside the failure for inspection, without a fingerprint
         atomic_write_json(out / "report.failed.json", {**report, "fingerprint": None})
         raise PipelineError(f"speculative output differs from greedy decoding (not lossless) on "
-                            f"{len(trained['mismatches'])} of {trained['prompts']} prompts: "
+                            f"{len(trained['mismatches'])} of {len(turns) * len(cfg.ks)} answers: "
                             f"{trained['mismatches'][:5]}; report: {out / 'report.failed.json'}")
     return record.commit(report)

@@ -13,7 +13,6 @@ extended with the features the verify forward just produced for the accepted tok
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass, field
 
 import torch
@@ -155,29 +154,28 @@ def tau_breakdown(per_prompt: list[dict], max_new_tokens: int) -> dict:
     return out
 
 
-def evaluate(target, drafter, vocab, capture_layers, eos_id, prompts_ids: list[list[int]], max_new_tokens: int,
-             k: int, check_greedy: bool = True) -> dict:
-    """Speculate on every prompt, compare with plain greedy decoding (report["mismatches"]), aggregate tau.
-    The caller decides what a mismatch means (evaluate_phase fails on one)."""
-    dec = SpeculativeDecoder(target, drafter, vocab, capture_layers, eos_id)
-    total = SpecStats(k)
-    per_prompt, mismatches = [], []
-    t0 = time.time()
-    for i, ids in enumerate(prompts_ids):
-        out, st = dec.generate(ids, max_new_tokens, k)
-        total.merge(st)
-        rec = {"prompt": i, "new_tokens": len(out), "tau": st.tau, "ended_with_eos": bool(out) and out[-1] == eos_id,
-               "accepted_per_round": st.history}
-        if check_greedy:
-            ref = dec.greedy(ids, max_new_tokens)
-            rec["identical_to_greedy"] = out == ref
-            if out != ref:
-                first = next((j for j, (a, b) in enumerate(zip(out, ref)) if a != b), min(len(out), len(ref)))
-                mismatches.append({"prompt": i, "first_difference": first, "len_spec": len(out), "len_greedy": len(ref)})
-        per_prompt.append(rec)
-    report = total.to_dict()
-    report.update({"prompts": len(prompts_ids), "max_new_tokens": max_new_tokens, "per_prompt": per_prompt,
-                   "tau_breakdown": tau_breakdown(per_prompt, max_new_tokens),
-                   "identical_to_greedy": not mismatches if check_greedy else None, "mismatches": mismatches,
-                   "seconds": round(time.time() - t0, 2)})
-    return report
+@dataclass
+class Answer:
+    """One speculative answer: its new tokens (cut at max_new_tokens, eos included) and the drafts accepted in
+    each verify round, in order (the first new token comes from the prefill, before any round)."""
+
+    tokens: list[int]
+    accepted_per_round: list[int]
+
+
+class SequentialDecoder:
+    """The evaluation's decoder interface (eagle3.train.evaluation.DECODERS), one prompt at a time:
+    `speculate` with the chain drafter, `greedy` with HF generate as the lossless reference."""
+
+    def __init__(self, target, drafter, vocab, capture_layers, eos_id):
+        self.spec = SpeculativeDecoder(target, drafter, vocab, capture_layers, eos_id)
+
+    def speculate(self, prompts: list[list[int]], max_new_tokens: int, k: int) -> list[Answer]:
+        out = []
+        for ids in prompts:
+            tokens, st = self.spec.generate(ids, max_new_tokens, k)
+            out.append(Answer(tokens, st.history))
+        return out
+
+    def greedy(self, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+        return [self.spec.greedy(ids, max_new_tokens) for ids in prompts]

@@ -38,6 +38,7 @@ from eagle3.train.distributed import (Ranks, check_backend, full_state, grad_syn
                                       masked_counts, wrap)
 from eagle3.faults import maybe_kill_rank
 from eagle3.train.model import DrafterConfig, Eagle3Drafter
+from eagle3.train.tracking import MetricsTracker, tracking_params
 from eagle3.train.vocab import VOCAB_FILE, count_tokens, load_or_build_vocab
 
 log = logging.getLogger(__name__)
@@ -234,7 +235,10 @@ def train(cfg: TrainConfig) -> dict:
     stream = micro_batches()
     model.train()
     start_step, last_log = pos.step, time.time()
-    metrics_file = open(metrics_path, "a") if ranks.main else None
+    metrics_file = open(metrics_path, "a") if ranks.main else None  # rank 0 records, the others only train
+    tracker = MetricsTracker(out, pos.step, mlflow_uri=cfg.mlflow_tracking_uri, mlflow_experiment=cfg.mlflow_experiment,
+                             params=tracking_params(cfg)) if ranks.main else None
+    ok = False
     try:
         while pos.step < total_steps:
             opt.zero_grad(set_to_none=True)
@@ -275,6 +279,7 @@ def train(cfg: TrainConfig) -> dict:
                 }
                 metrics_file.write(json.dumps(rec) + "\n")
                 metrics_file.flush()
+                tracker.log(rec)
             now = time.time()
             if ranks.main and (now - last_log >= cfg.log_every_s or step == total_steps):  # progress, rate, ETA
                 last_log = now
@@ -286,9 +291,12 @@ def train(cfg: TrainConfig) -> dict:
                 states = full_state(drafter, opt) if fsdp else None  # a collective: every rank gathers
                 if ranks.main:
                     checkpoints.save(pos, drafter, opt, sched, states)
+        ok = True
     finally:
         if metrics_file:
             metrics_file.close()
+        if tracker:
+            tracker.close(ok)  # an MLflow run ends FAILED on an exception
     return {"drafter": None if ranks.distributed else drafter.cpu().eval(), "vocab": vocab, "info": info,
             "capture_layers": reader.capture_layers,
             "steps": pos.step, "total_steps": total_steps, "tokens": reader.num_tokens, "samples": reader.num_samples,
