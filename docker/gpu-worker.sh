@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Start a Celery worker for the "gpu" queue with one task slot per GPU on this host, or per group of
-# EAGLE3_GPUS_PER_TASK GPUs (default EAGLE3_EXTRACT_TP_SIZE, else 1): tensor-parallel shards see their N GPUs.
+# EAGLE3_GPUS_PER_TASK GPUs (default: the most GPUs a task holds, eagle3.worker.gpus_per_task): a tensor-parallel
+# shard or a multi-GPU training run sees all its GPUs.
 # GPUs: EAGLE3_GPUS ("0,1,2,3") or CUDA_VISIBLE_DEVICES if set, else every GPU nvidia-smi lists.
 # Extra arguments are passed to `airflow celery worker` (e.g. --celery-hostname gpu-a@%h).
 set -euo pipefail

@@ -41,17 +41,28 @@ def gpu_for_slot(slot: int, gpus: list[str]) -> str:
     return gpus[slot % len(gpus)]
 
 
+# the gpu pool slots a task may hold (eagle3.config.GPU_SLOT_ENV): a worker slot must see at least that many GPUs
+TASK_GPU_ENV = ("EAGLE3_EXTRACT_TP_SIZE", "EAGLE3_TRAIN_GPU_SLOTS", "EAGLE3_DATAGEN_GPUS")
+
+
+def _positive(env: dict[str, str], key: str, least: int = 1) -> int | None:
+    value = env.get(key, "").strip()
+    if not value:
+        return None
+    if not value.isdigit() or int(value) < least:
+        raise ValueError(f"{key}={value!r}: expected an integer >= {least} (GPUs per task slot)")
+    return int(value)
+
+
 def gpus_per_task(env: dict[str, str] | None = None) -> int:
-    """GPUs each task slot holds: EAGLE3_GPUS_PER_TASK, else EAGLE3_EXTRACT_TP_SIZE (the extract task's gpu pool
-    slots, eagle3.config.gpu_slots), else 1."""
+    """GPUs each task slot holds: EAGLE3_GPUS_PER_TASK, else the most GPUs any task holds (EAGLE3_EXTRACT_TP_SIZE,
+    EAGLE3_TRAIN_GPU_SLOTS, EAGLE3_DATAGEN_GPUS: the DAG's gpu pool slots per task), else 1. Every slot of a worker
+    has the same size, so no task ever sees fewer GPUs than the pool slots it holds."""
     env = os.environ if env is None else env
-    for key in ("EAGLE3_GPUS_PER_TASK", "EAGLE3_EXTRACT_TP_SIZE"):
-        value = env.get(key, "").strip()
-        if value:
-            if not value.isdigit() or int(value) < 1:
-                raise ValueError(f"{key}={value!r}: expected a positive integer (GPUs per task slot)")
-            return int(value)
-    return 1
+    explicit = _positive(env, "EAGLE3_GPUS_PER_TASK")
+    if explicit:
+        return explicit
+    return max([1] + [n for key in TASK_GPU_ENV if (n := _positive(env, key, least=0))])
 
 
 def gpus_for_slot(slot: int, gpus: list[str], per_task: int = 1) -> list[str]:

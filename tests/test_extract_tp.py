@@ -110,4 +110,46 @@ def test_bad_tp_sizes(smollm2_path, spec, tmp_path):
         extract_shard(config(smollm2_path, tmp_path, tp_size=3, device="cuda", dtype="bfloat16"), spec)
     with pytest.raises(ConfigError, match="extract_backend='hf'"):
         extract_shard(config(smollm2_path, tmp_path, tp_size=3, backend="fused-llama"), spec)
-    assert not (tmp_path / "shard-00000").exists()
+    # nothing extracted (the shard folder holds at most the failure record for the shard view)
+    assert {p.name for p in (tmp_path / "shard-00000").glob("*")} <= {"last_error.json"}
+
+
+def tiny_moe(kind: str):
+    """Tiny random MoE targets (4 experts, top 2): Qwen3-MoE, and DeepSeek-V3 (MLA, a dense first layer, a shared
+    expert)."""
+    if kind == "qwen3_moe":
+        from transformers import Qwen3MoeConfig
+
+        return Qwen3MoeConfig(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=4,
+                              num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4,
+                              num_experts_per_tok=2, vocab_size=1000, decoder_sparse_step=1, mlp_only_layers=[])
+    from transformers import DeepseekV3Config
+
+    return DeepseekV3Config(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=4,
+                            num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2,
+                            n_shared_experts=1, first_k_dense_replace=1, q_lora_rank=32, kv_lora_rank=16,
+                            qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, vocab_size=1000, n_group=1,
+                            topk_group=1)
+
+
+@pytest.mark.parametrize("kind", ["qwen3_moe", "deepseek_v3"])
+def test_moe_target_tp2_with_expert_parallel_equals_tp1(kind, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(tiny_moe(kind)).save_pretrained(tmp_path / "model")
+    lengths = (40, 30, 20)
+    write_merged_dataset(tmp_path / "merge", [[1] + list(range(5, 5 + n)) + [2] for n in lengths], rows_per_file=2,
+                         loss_masks=[[1] * (n + 2) for n in lengths])
+    spec = plan_shards(ShardPlanConfig(str(tmp_path / "merge"), 1))[0]
+    got = {}
+    for tp in (1, 2):
+        cfg = config(tmp_path / "model", tmp_path / f"tp{tp}", tp_size=tp, capture_layers=[1, 2, 3], chunk_mb=0.01)
+        assert extract_shard(cfg, spec)["tokens"] == sum(lengths) + 2 * len(lengths)
+        got[tp] = samples(tmp_path / f"tp{tp}" / "shard-00000")
+    for row, s in got[1].items():
+        assert torch.equal(s.input_ids, got[2][row].input_ids)
+        torch.testing.assert_close(got[2][row].aux_hidden, s.aux_hidden, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got[2][row].final_hidden, s.final_hidden, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ConfigError, match=r"extract_tp_size=3 does not divide the target's 4 attention heads"):
+        extract_shard(config(tmp_path / "model", tmp_path / "tp3", tp_size=3), spec)

@@ -37,7 +37,10 @@ def test_tensor_parallel_slots_get_a_group_of_gpus():
         gpus_for_slot(0, gpus, 3)
     env = {"EAGLE3_GPUS": ",".join(gpus), "EAGLE3_EXTRACT_TP_SIZE": "2", "EAGLE3_PIN_GPUS": "1"}
     assert task_slots(env) == 4 and pin_process_to_gpu(1, env) == "2,3" and env["CUDA_VISIBLE_DEVICES"] == "2,3"
-    env["EAGLE3_GPUS_PER_TASK"] = "8"  # wins over the extract tp size (e.g. a datagen server on 8 GPUs)
+    # a slot has as many GPUs as the largest task holds: training on 4 GPUs makes every slot 4 GPUs
+    env["EAGLE3_TRAIN_GPU_SLOTS"] = "4"
+    assert task_slots(env) == 2 and pin_process_to_gpu(1, env) == "4,5,6,7"
+    env["EAGLE3_GPUS_PER_TASK"] = "8"  # an explicit size wins
     assert task_slots(env) == 1 and pin_process_to_gpu(3, env) == ",".join(gpus)
 
 

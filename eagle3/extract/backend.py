@@ -148,7 +148,8 @@ def distributed_config(model_path: str, tp_plan: str):
     from eagle3.fit import load_config, num_experts
 
     moe = bool(num_experts(load_config(model_path)))
-    return DistributedConfig(tp_size=dist.get_world_size(), tp_plan=tp_plan, enable_expert_parallel=moe)
+    n = dist.get_world_size()
+    return DistributedConfig(tp_size=n, tp_plan=tp_plan, **({"ep_size": n} if moe else {}))
 
 
 class HFBackend:
