@@ -178,9 +178,9 @@ class BatchedSpeculativeDecoder:
         """Drop the rejected slots of both caches (each row's valid slots right-aligned, order kept)."""
         self.packs += 1
         idx, tmask = _pack_index(tmask)
-        for layer in tcache.layers:
-            g = idx[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[3])
-            layer.keys, layer.values = layer.keys.gather(2, g), layer.values.gather(2, g)
+        for layer in tcache.layers:  # keys and values gathered each by its own shape: MLA's differ (DeepSeek)
+            layer.keys, layer.values = (t.gather(2, idx[:, None, :, None].expand(-1, t.shape[1], -1, t.shape[3]))
+                                        for t in (layer.keys, layer.values))
         didx, dvalid = _pack_index(dcache["valid"])
         g = didx[:, None, :, None].expand(-1, dcache["k"].shape[1], -1, dcache["k"].shape[3])
         return tmask, {"k": dcache["k"].gather(2, g), "v": dcache["v"].gather(2, g), "valid": dvalid}

@@ -297,7 +297,8 @@ def train(cfg: TrainConfig) -> dict:
             metrics_file.close()
         if tracker:
             tracker.close(ok)  # an MLflow run ends FAILED on an exception
-    return {"drafter": None if ranks.distributed else drafter.cpu().eval(), "vocab": vocab, "info": info, "capture_layers": reader.capture_layers,
+    return {"drafter": None if ranks.distributed else drafter.cpu().eval(), "vocab": vocab, "info": info,
+            "capture_layers": reader.capture_layers,
             "steps": pos.step, "total_steps": total_steps, "tokens": reader.num_tokens, "samples": reader.num_samples,
             "truncation": truncation.to_dict(), "seconds": time.time() - t_start}
 
