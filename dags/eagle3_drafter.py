@@ -8,6 +8,8 @@ Trigger it from the UI (the form is generated from the phase configs by eagle3.c
 `<output_root>/<run_name or run_id>`, so two runs never mix files, and every phase skips the work
 its manifest says is complete: clearing one task (one extraction shard, say) or the whole run
 resumes rather than redoes. docs/operations.md says how to watch a run and backfill one shard.
+The train task produces the Asset `eagle3_drafter` (operators.train.DRAFTER_ASSET): a DAG with
+`schedule=[DRAFTER_ASSET]` runs on every new drafter, its export folder in the event's extra.
 """
 
 from __future__ import annotations
@@ -17,18 +19,24 @@ from datetime import timedelta
 
 from airflow.sdk import DAG, Param, task
 
-from eagle3.config import form_params, phase_template, run_dir
+from eagle3.config import form_params, gpu_slots, phase_template, run_dir
 from operators.datagen import DatagenOperator
 from operators.extract import ExtractShardOperator, PlanShardsOperator
 from operators.merge import MergeOperator
 from operators.preflight import PreflightOperator
-from operators.train import EvaluateDrafterOperator, TrainDrafterOperator
+from operators.train import DRAFTER_ASSET, EvaluateDrafterOperator, TrainDrafterOperator
 
 GPU_QUEUE = "gpu"  # the Celery queue GPU workers listen on (docker-compose.yml)
 GPU_POOL = "gpu"  # one slot per GPU: at most that many GPU tasks at once
 # Automatic retries of a shard (each resumes from its committed chunks). Drills that fail a shard
 # on purpose and clear it by hand set 0 so the failure stays visible.
 SHARD_RETRIES = int(os.environ.get("EAGLE3_SHARD_RETRIES", "3"))
+# gpu pool slots per task, fixed at parse time (the scheduler reserves them before a task runs):
+# EAGLE3_EXTRACT_TP_SIZE (a shard's tensor-parallel ranks, and the evaluation's: the same tp_size),
+# EAGLE3_DATAGEN_GPUS (a local datagen server's GPUs) and EAGLE3_TRAIN_GPU_SLOTS (the most GPUs a run trains on)
+GPU_SLOTS = gpu_slots()
+DATAGEN_ON_GPUS = ({"queue": GPU_QUEUE, "pool": GPU_POOL, "pool_slots": GPU_SLOTS["datagen"]}
+                   if GPU_SLOTS["datagen"] else {})
 
 # The trigger form, generated from the phase configs' knobs (eagle3.config): one definition per param.
 PARAMS = {name: Param(p["default"], section=p["section"], description=p["description"], **p["schema"])
@@ -57,6 +65,7 @@ with DAG(
         task_id="preflight",
         config=phase_template("preflight"),
         run_params="{{ params }}",
+        gpu_slots=GPU_SLOTS,  # the form's extract_tp_size must fit the extract task's slots
         retries=0,  # a failed check does not fix itself
         execution_timeout=timedelta(minutes=10),
     )
@@ -72,6 +81,7 @@ with DAG(
         task_id="datagen",
         config=phase_template("datagen"),
         max_active_tis_per_dagrun=2,  # local mode starts one server per task
+        **DATAGEN_ON_GPUS,
     ).expand(dataset=datasets)
 
     merge = MergeOperator(task_id="merge", config=phase_template("merge"))
@@ -82,6 +92,7 @@ with DAG(
         task_id="extract",
         queue=GPU_QUEUE,
         pool=GPU_POOL,
+        pool_slots=GPU_SLOTS["extract"],  # tp_size ranks, one GPU each
         config=phase_template("extract"),
         retries=SHARD_RETRIES,  # a killed or faulted shard resumes from its last committed chunk
         max_active_tis_per_dagrun=64,
@@ -92,9 +103,12 @@ with DAG(
         task_id="train",
         queue=GPU_QUEUE,
         pool=GPU_POOL,
+        pool_slots=GPU_SLOTS["train"],  # train_num_gpus ranks at most (preflight checks)
         config=phase_template("train"),
         shard_dirs=extract.output,
         overrides="{{ params.train_overrides }}",
+        mlflow_conn_id="eagle3_mlflow",  # metrics to MLflow too when this Connection exists
+        outlets=[DRAFTER_ASSET],  # a DAG scheduled on the asset runs after each training
         execution_timeout=timedelta(hours=72),
     )
 
@@ -102,6 +116,7 @@ with DAG(
         task_id="evaluate",
         queue=GPU_QUEUE,
         pool=GPU_POOL,
+        pool_slots=GPU_SLOTS["extract"],  # the target in extract_tp_size ranks, as extraction ran it
         config=phase_template("evaluate"),
     )
 

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Start a Celery worker for the "gpu" queue with one task slot per GPU on this host.
+# Start a Celery worker for the "gpu" queue with one task slot per GPU on this host, or per group of
+# EAGLE3_GPUS_PER_TASK GPUs (default EAGLE3_EXTRACT_TP_SIZE, else 1): tensor-parallel shards see their N GPUs.
 # GPUs: EAGLE3_GPUS ("0,1,2,3") or CUDA_VISIBLE_DEVICES if set, else every GPU nvidia-smi lists.
 # Extra arguments are passed to `airflow celery worker` (e.g. --celery-hostname gpu-a@%h).
 set -euo pipefail
@@ -8,7 +9,7 @@ if [ -z "$gpus" ]; then
   echo "gpu-worker: no GPU visible (nvidia-smi -L lists none, EAGLE3_GPUS unset)" >&2
   exit 1
 fi
-n=$(echo "$gpus" | tr ',' '\n' | wc -l)
 export EAGLE3_GPUS="$gpus" EAGLE3_PIN_GPUS=1
-echo "gpu-worker: ${n} slot(s), GPUs ${gpus}"
+n=$(python -c 'from eagle3.worker import task_slots; print(task_slots())')
+echo "gpu-worker: ${n} slot(s), GPUs ${gpus}, $(python -c 'from eagle3.worker import gpus_per_task; print(gpus_per_task())') a slot"
 exec airflow celery worker --queues "${EAGLE3_GPU_QUEUE:-gpu}" --concurrency "$n" "$@"

@@ -19,6 +19,7 @@ def main(argv: list[str] | None = None) -> int:
     pf.add_argument("--capture-layers", type=lambda s: [int(x) for x in s.split(",")], default=None)
     pf.add_argument("--estimated-tokens", type=int, default=0)
     pf.add_argument("--allow-cpu", action="store_true")
+    sub.add_parser("dags-folder", help="print the folder holding the pipeline's DAG file (installed or this checkout)")
     pr = sub.add_parser("prompts", help="write a public prompt set (public-data extra) as the pipeline's prompt JSONL")
     pr.add_argument("which", choices=("sharegpt", "mtbench"))
     pr.add_argument("out", help="the prompt JSONL to write")
@@ -46,6 +47,9 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         print(json.dumps({"ok": report["ok"], "device": report["device"]}))
         return 0
+    if args.cmd == "dags-folder":
+        print(dags_folder())
+        return 0
     if args.cmd == "prompts":
         from eagle3.datagen.public_prompts import write_mtbench, write_sharegpt
         from eagle3.errors import ConfigError
@@ -63,6 +67,18 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(report, indent=1, ensure_ascii=False))
         return 0
     return 2
+
+
+def dags_folder() -> str:
+    """Where eagle3_drafter.py is: the installed eagle3_dags package, else the checkout's dags/. An existing
+    Airflow picks it up through a symlink in its dags folder (or the folder as AIRFLOW__CORE__DAGS_FOLDER)."""
+    from importlib.util import find_spec
+    from pathlib import Path
+
+    spec = find_spec("eagle3_dags")
+    if spec is not None and spec.submodule_search_locations:
+        return str(Path(next(iter(spec.submodule_search_locations))).resolve())
+    return str(Path(__file__).resolve().parents[1] / "dags")
 
 
 if __name__ == "__main__":

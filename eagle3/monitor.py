@@ -3,26 +3,48 @@
 The manifests are the source of truth (see eagle3.extract.format): a shard is
   complete     - its manifest says complete=true,
   in progress  - it has a manifest (or chunk files) but is not complete,
-  not started  - it is planned (a shard folder, or an index below the expected count) with nothing committed.
+  not started  - it is planned (a shard folder, or an index below the expected count) with nothing committed,
+  failed       - not complete, and its last attempt failed: last_error.json in its folder (written by the
+                 extraction on failure with the error's first line and the try number, removed when an
+                 attempt starts), or its Airflow task failed (a killed worker writes nothing).
+A rate (tokens/s) is shown only for a shard that is running.
 Everything is read defensively: a manifest being replaced, half-written or from an older format
 gives a row with an `error` rather than an exception, so the UI page never breaks on a live run.
-No Airflow import here: the plugin (plugins/eagle3_plugin.py) only renders what this returns.
+No Airflow import here: the plugin (operators/plugin.py) only renders what this returns.
 """
 
 from __future__ import annotations
 
 import json
 import re
-import time
 from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from eagle3.io import MANIFEST_NAME
+from eagle3.io import MANIFEST_NAME, atomic_write_json
 
 SHARD_DIR_RE = re.compile(r"^shard-(\d+)$")
-COMPLETE, IN_PROGRESS, NOT_STARTED = "complete", "in progress", "not started"
+COMPLETE, IN_PROGRESS, NOT_STARTED, FAILED = "complete", "in progress", "not started", "failed"
+STATES = (COMPLETE, IN_PROGRESS, NOT_STARTED, FAILED)
+FAILURE_NAME = "last_error.json"
+# Airflow task states of a shard task whose last try failed (strings: no Airflow import here)
+TASK_FAILED_STATES = ("failed", "up_for_retry", "upstream_failed")
+TASK_ACTIVE_STATES = ("scheduled", "queued", "running", "restarting", "deferred", "up_for_reschedule")
+
+
+def record_failure(shard_dir: str | Path, error: BaseException, try_number: int | None) -> None:
+    """last_error.json in the shard folder: what the shard view shows for a failed shard."""
+    text = str(error).strip()
+    first = text.splitlines()[0] if text else ""
+    atomic_write_json(Path(shard_dir) / FAILURE_NAME, {
+        "error": f"{type(error).__name__}: {first}" if first else type(error).__name__,
+        "try_number": try_number, "failed_at": datetime.now(timezone.utc).isoformat(timespec="seconds")})
+
+
+def clear_failure(shard_dir: str | Path) -> None:
+    """An attempt starts: the last one's failure record no longer describes the shard."""
+    (Path(shard_dir) / FAILURE_NAME).unlink(missing_ok=True)
 
 
 @dataclass
@@ -38,6 +60,7 @@ class ShardStatus:
     started_at: str | None = None
     updated_at: str | None = None
     error: str | None = None
+    failed_try: int | None = None  # the Airflow try number that failed (state "failed")
 
 
 @dataclass
@@ -47,7 +70,7 @@ class RunProgress:
 
     @property
     def totals(self) -> dict[str, Any]:
-        by_state = {s: sum(1 for x in self.shards if x.state == s) for s in (COMPLETE, IN_PROGRESS, NOT_STARTED)}
+        by_state = {s: sum(1 for x in self.shards if x.state == s) for s in STATES}
         return {
             "shards": len(self.shards),
             **{k.replace(" ", "_"): v for k, v in by_state.items()},
@@ -85,8 +108,34 @@ def _iso(ts: float | None) -> str | None:
     return None if ts is None else datetime.fromtimestamp(ts, timezone.utc).isoformat(timespec="seconds")
 
 
-def read_shard(shard: int, shard_dir: Path, now: float | None = None) -> ShardStatus:
-    """One shard's state from its manifest; never raises for a missing or unreadable manifest."""
+def read_shard(shard: int, shard_dir: Path, task: dict | None = None) -> ShardStatus:
+    """One shard's state from its folder (and its Airflow task's {state, try_number} when known); never raises
+    for a missing or unreadable manifest."""
+    status = _read_manifest(shard, shard_dir)
+    failure = _read_failure(shard_dir) if status.state != COMPLETE else None
+    task_state = (task or {}).get("state")
+    if failure is not None and task_state not in TASK_ACTIVE_STATES:  # active: a new try supersedes the record
+        status.state, status.failed_try = FAILED, failure.get("try_number")
+        status.error = str(failure.get("error") or "failed")
+    elif task_state in TASK_FAILED_STATES and status.state != COMPLETE:
+        status.state, status.failed_try = FAILED, (task or {}).get("try_number")
+        status.error = f"Airflow task {task_state} (the worker wrote no error: killed?)"
+    if status.state != IN_PROGRESS or (task is not None and task_state != "running"):
+        status.tokens_per_s = None  # a rate only while it runs: the last attempt's would be stale
+    return status
+
+
+def _read_failure(shard_dir: Path) -> dict | None:
+    try:
+        d = json.loads((shard_dir / FAILURE_NAME).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError):
+        return {"error": f"{shard_dir / FAILURE_NAME}: unreadable"}
+    return d if isinstance(d, dict) else {"error": f"{shard_dir / FAILURE_NAME}: not an object"}
+
+
+def _read_manifest(shard: int, shard_dir: Path) -> ShardStatus:
     status = ShardStatus(shard=shard, path=str(shard_dir), state=NOT_STARTED)
     manifest_path = shard_dir / MANIFEST_NAME
     if not manifest_path.is_file():
@@ -122,9 +171,12 @@ def read_shard(shard: int, shard_dir: Path, now: float | None = None) -> ShardSt
     return status
 
 
-def run_progress(run_dir: str | Path, expected_shards: int | None = None) -> RunProgress:
+def run_progress(run_dir: str | Path, expected_shards: int | None = None,
+                 tasks: dict[int, dict] | None = None) -> RunProgress:
     """Every shard of a run's extraction; `expected_shards` (e.g. the mapped task count) adds the
-    planned shards whose folder does not exist yet as "not started"."""
+    planned shards whose folder does not exist yet as "not started"; `tasks` ({map index: {"state",
+    "try_number"}}, the shard tasks' Airflow states) marks failed tasks' shards failed and keeps rates to
+    running ones."""
     extract_dir = find_extract_dir(run_dir)
     found: dict[int, Path] = {}
     if extract_dir.is_dir():
@@ -133,8 +185,8 @@ def run_progress(run_dir: str | Path, expected_shards: int | None = None) -> Run
             if m and p.is_dir():
                 found[int(m.group(1))] = p
     indices = set(found) | set(range(expected_shards or 0))
-    now = time.time()
-    shards = [read_shard(i, found.get(i, extract_dir / f"shard-{i:05d}"), now) for i in sorted(indices)]
+    shards = [read_shard(i, found.get(i, extract_dir / f"shard-{i:05d}"), None if tasks is None else tasks.get(i, {}))
+              for i in sorted(indices)]
     return RunProgress(extract_dir=str(extract_dir), shards=shards)
 
 

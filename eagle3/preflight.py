@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from eagle3.errors import ConfigError, PipelineError
+from eagle3.fit import (check_fits, check_fp8_device, check_tp_divides, load_config, smallest_fitting_tp,
+                        weight_estimate)
 from eagle3.io import atomic_write_json
 from eagle3.knobs import check_knobs, knob
 from eagle3.models import model_info, resolve_capture_layers
@@ -31,15 +33,21 @@ NVIDIA_SMI_QUERY = "index,name,memory.total,memory.used,driver_version,compute_c
 class PreflightConfig:
     model_path: str = knob(help="HF-format folder of the target model")
     output_dir: str = knob(help="where preflight.json goes")
-    capture_layers: list[int] | None = knob(None, min=1, help="HF hidden_states indices; None = [2, L//2, L-3]")
+    capture_layers: list[int] | str | None = knob(None, min=1, help="HF hidden_states indices; None or 'auto' = "
+                                                                     "[2, L//2, L-3]")
     estimated_tokens: int = knob(0, min=0, param="estimated_tokens", section="Run",
                                  help="Tokens expected for extraction; preflight checks free disk against it "
                                       "(0 = no disk estimate).")
     bytes_per_value: int = knob(2, min=1, help="bytes of one stored hidden-state value (2 = bf16/fp16)")
-    allow_cpu: bool = knob(False, param="allow_cpu", section="Run",
-                           help="Run on the CPU when no GPU is found (demo, tests).")
+    allow_cpu: bool = knob(True, param="allow_cpu", section="Run",
+                           help="Run on the CPU when no GPU is found (the demo); off = a run without a GPU fails "
+                                "in preflight (a GPU worker that lost its GPUs).")
     min_gpus: int = knob(1, min=0, help="GPUs the run needs unless allow_cpu")
     disk_headroom: float = knob(1.1, min=1.0, help="ask for this multiple of the disk estimate")
+    tp_size: int = knob(1, min=1, max=64, help="The tensor-parallel size extraction loads the target with "
+                                               "(the form's extract_tp_size): checked against heads, GPUs, memory.")
+    fit_headroom: float = knob(0.8, gt=0, max=1, help="The target's weights per GPU must fit this fraction of the "
+                                                      "free GPU memory (activations and the CUDA context need the rest).")
 
     def __post_init__(self):
         check_knobs(self, "preflight")
@@ -154,7 +162,8 @@ def check_model(cfg: PreflightConfig, failures: list[str]) -> dict:
         failures.append(f"model_path {path}: the tokenizer has no chat template (chat_template.jinja or tokenizer_config.json)")
     out["chat_template"] = has_template
     try:
-        out["capture_layers"] = resolve_capture_layers(cfg.capture_layers, info)
+        out["capture_layers"] = resolve_capture_layers(None if cfg.capture_layers == "auto" else cfg.capture_layers,
+                                                       info)
         out["sglang_aux_layer_ids"] = [i - 1 for i in out["capture_layers"]]
     except ConfigError as e:
         failures.append(str(e))
@@ -176,19 +185,57 @@ def check_disk(cfg: PreflightConfig, n_layers: int, hidden: int, failures: list[
     return out
 
 
-def run_preflight(cfg: PreflightConfig, nvidia_smi: str | None = "nvidia-smi") -> dict:
-    """Run every check, write `<output_dir>/preflight.json`, raise PreflightError listing all failures."""
+TP_PARAM = "extract_tp_size"
+
+
+def check_fit(cfg: PreflightConfig, gpus: list[dict], n_gpus: int, failures: list[str]) -> dict:
+    """What fits, from config.json alone: tp_size against heads/kv heads/experts and the GPUs; the weights per GPU
+    at tp_size against the least free memory of the GPUs, and the smallest tp_size that fits."""
+    try:
+        mcfg = load_config(cfg.model_path)
+        check_tp_divides(mcfg, cfg.tp_size, TP_PARAM, where=str(cfg.model_path))
+    except (ConfigError, KeyError) as e:
+        if isinstance(e, ConfigError) and TP_PARAM in str(e):
+            failures.append(str(e))
+        return {}
+    est = weight_estimate(mcfg, cfg.tp_size, "bfloat16")
+    out = {"tp_size": cfg.tp_size, **est.to_dict()}
+    if n_gpus and cfg.tp_size > n_gpus:
+        failures.append(f"{TP_PARAM}={cfg.tp_size} needs {cfg.tp_size} GPUs, but this worker sees {n_gpus}")
+    free = [(g["memory_total_mib"] - g["memory_used_mib"]) * 2**20 for g in gpus]
+    if free:
+        out["free_bytes_per_gpu"] = min(free)
+        out["smallest_tp_size"] = smallest_fitting_tp(mcfg, min(free), cfg.fit_headroom, dtype="bfloat16")
+        try:
+            check_fits(mcfg, cfg.tp_size, min(free), TP_PARAM, cfg.fit_headroom, dtype="bfloat16", gpus=len(gpus))
+        except ConfigError as e:
+            failures.append(str(e))
+    return out
+
+
+def run_preflight(cfg: PreflightConfig, nvidia_smi: str | None = "nvidia-smi", notes: list[str] | None = None) -> dict:
+    """Run every check, write `<output_dir>/preflight.json`, raise PreflightError listing all failures.
+    `notes`: what the run chose before (the datagen server "auto" picked), shown in the summary."""
     failures: list[str] = []
-    report: dict = {"host": platform.node(), "python": platform.python_version()}
+    report: dict = {"host": platform.node(), "python": platform.python_version(), "notes": list(notes or [])}
     report["gpu"] = gpu_report(nvidia_smi)
     report["packages"] = package_versions()
     n_gpus = report["gpu"]["torch"]["device_count"]
     report["device"] = "cuda" if n_gpus else "cpu"
+    if not n_gpus and cfg.allow_cpu:
+        report["notes"].append("no GPU found: the run uses the CPU (allow_cpu; set it false to require a GPU)")
     if n_gpus < cfg.min_gpus and not cfg.allow_cpu:
         failures.append(
             f"found {n_gpus} usable GPU(s) (torch.cuda), need {cfg.min_gpus}; set allow_cpu=true to run on the CPU"
         )
     report["model"] = check_model(cfg, failures)
+    report["fit"] = check_fit(cfg, report["gpu"]["gpus"], n_gpus, failures)
+    if not n_gpus:
+        try:
+            check_fp8_device(load_config(cfg.model_path), "cpu", cfg.model_path)
+        except ConfigError as e:
+            if "FP8" in str(e):  # an unreadable config.json is check_model's to report
+                failures.append(str(e))
     info = report["model"].get("info")
     if info:
         n_layers = len(report["model"].get("capture_layers") or [0, 0, 0])
@@ -221,6 +268,16 @@ def format_report(report: dict) -> str:
         d = report["disk"]
         lines.append(f"  disk {d['path']}: {d['free_bytes'] / 1e9:.1f} GB free, extraction needs"
                      f" {d['estimated_extraction_bytes'] / 1e9:.2f} GB")
+    fit = report.get("fit") or {}
+    if fit:
+        line = (f"  fit: weights {fit['total_bytes'] / 2**30:.1f} GiB, {fit['per_gpu_bytes'] / 2**30:.1f} GiB per GPU "
+                f"at {TP_PARAM}={fit['tp_size']}")
+        if "free_bytes_per_gpu" in fit:
+            line += (f"; {fit['free_bytes_per_gpu'] / 2**30:.1f} GiB free per GPU, smallest tp_size that fits: "
+                     f"{fit['smallest_tp_size']}")
+        lines.append(line)
+    for note in report.get("notes", []):
+        lines.append(f"  {note}")
     for f in report["failures"]:
         lines.append(f"  FAIL: {f}")
     lines.append("  OK" if report["ok"] else "  preflight FAILED")

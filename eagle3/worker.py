@@ -1,8 +1,9 @@
-"""Worker-side helpers for GPU hosts: pin each task slot to one GPU, name the worker.
+"""Worker-side helpers for GPU hosts: pin each task slot to its GPUs, name the worker.
 
-A Celery GPU worker runs `--concurrency <gpus>` child processes; child `i` (billiard's stable
-process index, reused when a child is replaced) gets CUDA_VISIBLE_DEVICES=<gpus[i % len(gpus)]>,
-and every task it runs inherits that, so an 8-GPU host runs 8 shards at once, one per GPU.
+A Celery GPU worker runs `--concurrency <gpus / gpus per task>` child processes; child `i` (billiard's
+stable process index, reused when a child is replaced) gets CUDA_VISIBLE_DEVICES=<its group of GPUs>,
+and every task it runs inherits that: an 8-GPU host runs 8 shards at once, one GPU each, or with
+EAGLE3_GPUS_PER_TASK=4 (tensor-parallel shards of extract_tp_size 4) 2 shards of 4 GPUs each.
 The Celery glue that calls this lives in operators/celery_config.py; this module has no
 Airflow or Celery import so it can be tested alone.
 """
@@ -40,16 +41,49 @@ def gpu_for_slot(slot: int, gpus: list[str]) -> str:
     return gpus[slot % len(gpus)]
 
 
+def gpus_per_task(env: dict[str, str] | None = None) -> int:
+    """GPUs each task slot holds: EAGLE3_GPUS_PER_TASK, else EAGLE3_EXTRACT_TP_SIZE (the extract task's gpu pool
+    slots, eagle3.config.gpu_slots), else 1."""
+    env = os.environ if env is None else env
+    for key in ("EAGLE3_GPUS_PER_TASK", "EAGLE3_EXTRACT_TP_SIZE"):
+        value = env.get(key, "").strip()
+        if value:
+            if not value.isdigit() or int(value) < 1:
+                raise ValueError(f"{key}={value!r}: expected a positive integer (GPUs per task slot)")
+            return int(value)
+    return 1
+
+
+def gpus_for_slot(slot: int, gpus: list[str], per_task: int = 1) -> list[str]:
+    """Slot i's GPUs: the (i mod groups)-th group of `per_task` consecutive GPUs."""
+    if not gpus:
+        raise ValueError("no GPUs to pin to: set EAGLE3_GPUS or CUDA_VISIBLE_DEVICES, or disable pinning")
+    if slot < 0:
+        raise ValueError(f"slot must be >= 0, got {slot}")
+    if per_task > len(gpus) or len(gpus) % per_task:
+        raise ValueError(f"{len(gpus)} GPUs ({','.join(gpus)}) do not split into groups of {per_task} "
+                         f"(EAGLE3_GPUS_PER_TASK / EAGLE3_EXTRACT_TP_SIZE): use a divisor of {len(gpus)}")
+    group = slot % (len(gpus) // per_task)
+    return gpus[group * per_task:(group + 1) * per_task]
+
+
+def task_slots(env: dict[str, str] | None = None) -> int:
+    """How many tasks this worker runs at once (its Celery concurrency): GPUs / GPUs per task."""
+    gpus, per = visible_gpus(env), gpus_per_task(env)
+    gpus_for_slot(0, gpus, per)  # the checks
+    return len(gpus) // per
+
+
 def pin_process_to_gpu(slot: int, env: dict[str, str] | None = None) -> str | None:
     """Set CUDA_VISIBLE_DEVICES (and EAGLE3_GPU_SLOT) for this process from its slot.
 
     Does nothing unless EAGLE3_PIN_GPUS is "1" (CPU workers share the same Celery config).
-    Must run before anything initialises CUDA in the process. Returns the GPU id chosen."""
+    Must run before anything initialises CUDA in the process. Returns the GPU ids chosen ("3" or "4,5,6,7")."""
     env = os.environ if env is None else env
     if env.get("EAGLE3_PIN_GPUS", "0") != "1":
         return None
     gpus = visible_gpus(env)
-    gpu = gpu_for_slot(slot, gpus)
+    gpu = ",".join(gpus_for_slot(slot, gpus, gpus_per_task(env)))
     env["EAGLE3_VISIBLE_GPUS"] = ",".join(gpus)  # keep the full list: a replaced child re-pins from it
     env["CUDA_VISIBLE_DEVICES"] = gpu
     env["EAGLE3_GPU_SLOT"] = str(slot)

@@ -4,11 +4,13 @@ An operator templates one thing, its phase config (a dict the DAG builds with ea
 core's config dataclass from it (an unknown key is a ConfigError naming it), calls the core and returns a
 small JSON-able summary. A ConfigError is the user's input, which no retry changes: it becomes
 AirflowFailException, so the task fails at once instead of retrying. Faults (a killed worker, a flaky
-endpoint) stay ordinary exceptions and keep their retries.
+endpoint) stay ordinary exceptions and keep their retries. Hugging Face libraries' output goes through the
+task log at its own level (hf_output_to_task_log).
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any, ClassVar, Generic, Mapping, Sequence, TypeVar
 
 from airflow.sdk import BaseOperator, Context
@@ -39,6 +41,7 @@ class Eagle3Operator(BaseOperator, Generic[C]):
         return build(self.config_class, {**values, **extra}, where=self.task_id)
 
     def execute(self, context: Context) -> Any:
+        hf_output_to_task_log()
         try:
             return self.run(self.build_config(**self.mapped_values()), context)
         except ConfigError as e:
@@ -50,3 +53,17 @@ class Eagle3Operator(BaseOperator, Generic[C]):
 
     def run(self, cfg: C, context: Context) -> Any:
         raise NotImplementedError
+
+
+def hf_output_to_task_log() -> None:
+    """No progress bars, and transformers' log records through the task's logger at their own level.
+
+    Airflow logs whatever a task writes to stderr as ERROR: transformers' "Loading weights" bar (tqdm) and its
+    own stderr handler (deprecation notices) made red ERROR lines in successful tasks.
+    """
+    os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"  # read at import by huggingface_hub and transformers
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # transformers' bars and huggingface_hub's
+    hf_logging.disable_default_handler()
+    hf_logging.enable_propagation()  # to the root logger, which Airflow's task log reads

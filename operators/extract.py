@@ -46,7 +46,7 @@ class ExtractShardOperator(Eagle3Operator[ExtractConfig]):
         from eagle3.extract.plan import ShardSpec
         from operators._render import rendered
 
-        out = extract_shard(cfg, ShardSpec.from_dict(rendered(self.shard)))
+        out = extract_shard(cfg, ShardSpec.from_dict(rendered(self.shard)), try_number=context["ti"].try_number)
         self.log.info("shard %d: %d chunks, %d tokens, %.2f GB, %.0f tok/s%s", out["shard"], out["chunks"],
                       out["tokens"], out["bytes"] / 1e9, out["tok_per_s"], " (already complete)" if out["skipped"] else "")
         return {k: out[k] for k in ("shard", "shard_dir", "chunks", "tokens", "samples", "bytes", "tok_per_s",

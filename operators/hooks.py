@@ -90,3 +90,75 @@ class OpenAICompatibleHook(BaseHook):
             return False, redact(f"HTTP {e.code} from {e.url}: {body}")
         except (OSError, ValueError) as e:
             return False, redact(f"{type(e).__name__}: {e}")
+
+
+class MLflowTrackingHook(BaseHook):
+    """An MLflow tracking server (or store) from a Connection; the training task logs its metrics there.
+
+        AIRFLOW_CONN_EAGLE3_MLFLOW='{"conn_type": "mlflow", "host": "http://mlflow:5000",
+                                     "extra": {"experiment_name": "drafters"}}'
+
+    The tracking URI is `extra.tracking_uri` if set (any MLflow URI: sqlite:///..., databricks), else `host`
+    when it is a full URL, else `http(s)://host[:port]` (`schema` picks https). Login/password become MLflow's
+    basic-auth variables, `extra.token` its bearer token; all are masked in logs.
+
+    :param conn_id: the Airflow Connection of the tracking server
+    """
+
+    conn_name_attr = "conn_id"
+    default_conn_name = "eagle3_mlflow"
+    conn_type = "mlflow"
+    hook_name = "MLflow tracking server"
+
+    def __init__(self, conn_id: str = default_conn_name) -> None:
+        super().__init__()
+        self.conn_id = conn_id
+
+    @classmethod
+    def get_ui_field_behaviour(cls) -> dict[str, Any]:
+        return {"hidden_fields": [],
+                "relabeling": {"host": "Tracking URI (or host)", "schema": "http or https"},
+                "placeholders": {"host": "http://mlflow:5000",
+                                 "extra": '{"tracking_uri": "sqlite:////data/mlflow.db", "experiment_name": "eagle3"}'}}
+
+    def get_conn(self) -> dict[str, str]:
+        """{"tracking_uri", "experiment"} with the credentials put where MLflow's client reads them."""
+        import os
+
+        conn = self.get_connection(self.conn_id)
+        extra = conn.extra_dejson or {}
+        for env, value in (("MLFLOW_TRACKING_USERNAME", conn.login), ("MLFLOW_TRACKING_PASSWORD", conn.password),
+                           ("MLFLOW_TRACKING_TOKEN", extra.get("token"))):
+            if value:
+                if env != "MLFLOW_TRACKING_USERNAME":
+                    mask_secret(value)
+                os.environ[env] = value
+        out = {"tracking_uri": self._uri(conn, extra)}
+        if extra.get("experiment_name"):
+            out["experiment"] = str(extra["experiment_name"])
+        return out
+
+    def _uri(self, conn: Connection, extra: dict) -> str:
+        host = (conn.host or "").strip()
+        if extra.get("tracking_uri"):
+            return str(extra["tracking_uri"])
+        if "://" in host:
+            return host
+        if host:
+            scheme = conn.schema if conn.schema in ("http", "https") else "http"
+            return f"{scheme}://{host}{f':{conn.port}' if conn.port else ''}"
+        raise ConfigError(f"connection {self.conn_id!r} has no host and no extra.tracking_uri: set the MLflow "
+                          f"tracking URI")
+
+    def test_connection(self) -> tuple[bool, str]:
+        """List one experiment: (True, what answered) or (False, why not)."""
+        try:
+            from mlflow import MlflowClient
+        except ImportError:
+            return False, "mlflow is not installed where this runs: pip install 'eagle3-pipeline[mlflow]'"
+        try:
+            uri = self.get_conn()["tracking_uri"]
+            found = MlflowClient(tracking_uri=uri).search_experiments(max_results=5)
+            return True, f"{uri} answered: experiments {[e.name for e in found]}"
+        except Exception as e:  # noqa: BLE001 - the UI's Test button shows any failure as text
+            return False, f"{type(e).__name__}: {e}"

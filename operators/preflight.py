@@ -16,17 +16,28 @@ class PreflightOperator(Eagle3Operator[PreflightConfig]):
     template_fields: Sequence[str] = ("config", "run_params")
     ui_color = "#e8f4d9"
 
-    def __init__(self, *, run_params: Mapping[str, Any] | str | None = None, **kwargs: Any) -> None:
+    def __init__(self, *, run_params: Mapping[str, Any] | str | None = None,
+                 gpu_slots: Mapping[str, int] | None = None, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.run_params = run_params  # the whole trigger form ("{{ params }}"): checked across phases first
+        self.gpu_slots = gpu_slots  # the DAG's gpu pool slots per task (eagle3.config.gpu_slots)
 
     def run(self, cfg: PreflightConfig, context: Context) -> dict:
         from eagle3.config import check_run
+        from eagle3.errors import ConfigError
         from eagle3.preflight import run_preflight
         from operators._render import rendered
+        from operators.deployment import deployment_problems
 
-        facts = check_run(rendered(self.run_params), context["run_id"]) if self.run_params else {}
-        report = run_preflight(cfg)
+        # first: a pool or queue this Airflow lacks would leave tasks waiting forever, hours from now
+        problems = deployment_problems(context["dag"].tasks)
+        if problems:
+            raise ConfigError("this Airflow cannot run every task of the DAG:\n  - " + "\n  - ".join(problems))
+        facts = check_run(rendered(self.run_params), context["run_id"], self.gpu_slots) if self.run_params else {}
+        notes = [facts["datagen_server"]] if "datagen_server" in facts else []
+        for note in notes:
+            self.log.info("%s", note)
+        report = run_preflight(cfg, notes=notes)
         model = report["model"]
         return {
             **facts,

@@ -93,6 +93,26 @@ def test_builds_exist_and_copy_only_existing_paths(compose):
     assert "airflow celery worker --queues" in (ROOT / "docker" / "gpu-worker.sh").read_text()
 
 
+def test_images_copy_every_installed_folder_before_the_install(compose):
+    """`pip install /opt/eagle3` builds from what is copied so far: every folder pyproject installs (its packages'
+    roots and package-dir sources, e.g. dags/ as eagle3_dags) must be copied before that RUN."""
+    import tomllib
+
+    setup = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    mapped = setup.get("package-dir", {})
+    needed = {mapped.get(p, p.split(".")[0]) for p in setup["packages"]} | {"pyproject.toml"}
+    for name in AIRFLOW_SERVICES:
+        copied = set()
+        for line in dockerfile_of(compose["services"][name]).read_text().splitlines():
+            if line.startswith("COPY"):
+                copied |= {a for a in line.split()[1:-1] if not a.startswith("--")}
+            if line.startswith("RUN") and IMAGE_ROOT in line and "pip install" in line:
+                assert needed <= copied, f"{name}: not copied before the install: {sorted(needed - copied)}"
+                break
+        else:
+            pytest.fail(f"{name}: its Dockerfile never installs {IMAGE_ROOT}")
+
+
 def airflow_argv(name, svc) -> list[str]:
     cmd = svc["command"]
     cmd = shlex.split(cmd) if isinstance(cmd, str) else list(cmd)
@@ -150,7 +170,8 @@ def test_environment_is_consistent(compose):
     envs = {n: services[n]["environment"] for n in AIRFLOW_SERVICES}
     for key in ("AIRFLOW__CORE__EXECUTOR", "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN", "AIRFLOW__CELERY__BROKER_URL",
                 "AIRFLOW__API_AUTH__JWT_SECRET", "AIRFLOW__CORE__EXECUTION_API_SERVER_URL", "EAGLE3_OUTPUT_ROOT",
-                "AIRFLOW__CELERY__CELERY_CONFIG_OPTIONS"):
+                "AIRFLOW__CELERY__CELERY_CONFIG_OPTIONS", "EAGLE3_EXTRACT_TP_SIZE", "EAGLE3_DATAGEN_GPUS"):
+        # (the GPUs per task: the DAG's pool slots and the GPU worker's pinning must agree)
         values = {n: e.get(key) for n, e in envs.items()}
         assert len(set(values.values())) == 1 and None not in values.values(), f"{key} differs: {values}"
     e = envs["scheduler"]

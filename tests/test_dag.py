@@ -30,11 +30,49 @@ def test_gpu_tasks_use_the_gpu_queue_and_pool_and_shards_are_mapped(dag):
     for tid in ("extract", "train", "evaluate"):
         t = dag.task_dict[tid]
         assert (t.queue, t.pool) == ("gpu", "gpu"), tid
+    assert dag.task_dict["train"].pool_slots == 1  # EAGLE3_TRAIN_GPU_SLOTS unset: training on one GPU
     from airflow.sdk.definitions.mappedoperator import MappedOperator
 
     assert isinstance(dag.task_dict["extract"], MappedOperator)
     assert isinstance(dag.task_dict["datagen"], MappedOperator)
     assert dag.task_dict["preflight"].retries == 0
+
+
+def test_gpu_pool_slots_follow_the_deployment(monkeypatch):
+    """A shard of tp_size N holds N gpu pool slots; a local datagen server its GPUs. Fixed at parse time from
+    EAGLE3_EXTRACT_TP_SIZE / EAGLE3_DATAGEN_GPUS (the scheduler reserves slots before a task runs)."""
+    from airflow.dag_processing.dagbag import DagBag
+
+    from eagle3.config import check_run
+    from eagle3.errors import ConfigError
+
+    def parse():
+        bag = DagBag(dag_folder=str(ROOT / "dags"))
+        assert bag.import_errors == {}
+        return bag.dags["eagle3_drafter"]
+
+    d = parse()
+    assert d.task_dict["extract"].pool_slots == 1 and d.params["extract_tp_size"] == 1
+    assert d.task_dict["datagen"].pool == "default_pool"  # its server is remote by default
+    monkeypatch.setenv("EAGLE3_EXTRACT_TP_SIZE", "4")
+    monkeypatch.setenv("EAGLE3_DATAGEN_GPUS", "8")
+    monkeypatch.setenv("EAGLE3_TRAIN_GPU_SLOTS", "2")
+    d = parse()
+    ex, dg = d.task_dict["extract"], d.task_dict["datagen"]
+    assert (ex.pool, ex.pool_slots, d.params["extract_tp_size"]) == ("gpu", 4, 4)
+    assert (dg.queue, dg.pool, dg.pool_slots) == ("gpu", "gpu", 8)
+    assert d.task_dict["preflight"].gpu_slots == {"extract": 4, "datagen": 8, "train": 2}
+    assert (d.task_dict["train"].pool, d.task_dict["train"].pool_slots) == ("gpu", 2)
+    with pytest.raises(ConfigError, match=r"train_num_gpus=4 needs 4 GPUs, but the train task holds 2 slot\(s\)"
+                                          r".*EAGLE3_TRAIN_GPU_SLOTS=4"):
+        check_run({"train_num_gpus": 4}, "r1", {"extract": 4, "datagen": 8, "train": 2})
+    # a run asking more ranks per shard than the task's slots fails in preflight, naming both
+    with pytest.raises(ConfigError, match=r"extract_tp_size=8 needs 8 GPUs per shard, but the extract task holds "
+                                          r"4 slot\(s\).*EAGLE3_EXTRACT_TP_SIZE=8"):
+        check_run({"extract_tp_size": 8}, "r1", {"extract": 4, "datagen": 8})
+    monkeypatch.setenv("EAGLE3_EXTRACT_TP_SIZE", "zero")
+    bag = DagBag(dag_folder=str(ROOT / "dags"))
+    assert "EAGLE3_EXTRACT_TP_SIZE='zero': expected an integer" in "".join(map(str, bag.import_errors.values()))
 
 
 def test_param_defaults_are_valid_and_bad_values_are_rejected(dag):
@@ -74,12 +112,14 @@ def test_extraction_params_reach_the_mapped_operator(dag):
 def test_rendered_configs_build_and_follow_the_form(dag, smollm2_path, tmp_path):
     """Render each task's config as Airflow does (native objects, the run_dir macro, preflight's XCom) and build
     the phase config from it: max_seq_len reaches training, the capture layers reach extraction."""
-    from eagle3.config import PHASE_CLASSES, model_facts, with_form_defaults
+    from eagle3.config import PHASE_CLASSES, datagen_server_facts, model_facts, with_form_defaults
     from eagle3.knobs import build
 
     params = with_form_defaults({"model_path": str(smollm2_path), "output_root": str(tmp_path), "run_name": "r",
                                  "max_seq_len": 3000, "token_budget": 1024})
-    facts = model_facts(str(smollm2_path), None)
+    problems: list[str] = []
+    facts = model_facts(str(smollm2_path), "auto") | datagen_server_facts(params, str(smollm2_path), problems)
+    assert not problems
 
     class TI:
         def xcom_pull(self, task_ids):
@@ -103,6 +143,9 @@ def test_rendered_configs_build_and_follow_the_form(dag, smollm2_path, tmp_path)
     assert built["merge"].num_capture_layers == 3 and built["merge"].hidden_size == 576
     assert built["extract"].extract_dir == str(tmp_path / "r" / "extract")
     assert built["evaluate"].export_dir == str(tmp_path / "r" / "train" / "export")
+    # the form's "auto" server, as preflight resolved it (no GPU here: llama.cpp on the packaged GGUF)
+    assert built["datagen"].server_command == facts["server_command"] and "llama_cpp_server" in facts["server_command"]
+    assert built["datagen"].gguf.endswith(".gguf") and built["datagen"].served_model_name == "target"
 
 
 def test_a_config_error_fails_the_task_without_retries(tmp_path):
@@ -119,6 +162,11 @@ def test_a_config_error_fails_the_task_without_retries(tmp_path):
     op = TrainDrafterOperator(task_id="train", config={"model_path": "m", "output_dir": str(tmp_path / "t")},
                               shard_dirs=[str(tmp_path)], overrides={"lerning_rate": 1e-3})
     with pytest.raises(AirflowFailException, match="lerning_rate"):
+        op.execute({})
+    # more training ranks than the gpu-pool slots the task holds: refused before any work, naming both
+    op = TrainDrafterOperator(task_id="train", config={"model_path": "m", "output_dir": str(tmp_path / "t")},
+                              shard_dirs=[str(tmp_path)], overrides={"num_gpus": 2}, pool="gpu", pool_slots=1)
+    with pytest.raises(AirflowFailException, match=r"train_num_gpus=2.*holds 1 slot.*EAGLE3_TRAIN_GPU_SLOTS"):
         op.execute({})
 
 

@@ -25,6 +25,7 @@ from eagle3.extract.reader import HiddenStateReader
 from eagle3.extract.reference import reference_states
 from eagle3.extract.synthetic import write_merged_dataset
 from eagle3.faults import ENV_VAR as FAULT_ENV, InjectedFault
+from eagle3.monitor import FAILURE_NAME
 
 ROOT = Path(__file__).resolve().parents[1]
 LAYERS = [1, 2, 15, 27]  # low to high (HF hidden_states indices)
@@ -94,7 +95,7 @@ def tiny_model():
     return AutoModelForCausalLM.from_config(cfg).eval()
 
 
-def tiny_run(tiny_model, spec, out, **kw):
+def tiny_run(tiny_model, spec, out, try_number=None, **kw):
     """extract_shard with the tiny model: 4 x 64 fp32 values a token, so chunk_mb=0.1 gives chunks of <= 101
     tokens: every batch is a chunk."""
     from eagle3.extract.backend import HFBackend
@@ -102,7 +103,8 @@ def tiny_run(tiny_model, spec, out, **kw):
     cfg = ExtractConfig(**{"model_path": "tiny", "extract_dir": str(out), "capture_layers": [1, 2, 3],
                            "device": "cpu", "dtype": "float32", "token_budget": BUDGET, "chunk_mb": CHUNK_MB,
                            "writer_threads": 2, **kw})
-    return extract_shard(cfg, spec, backend=HFBackend(model=tiny_model), model_config=TINY_SHAPE)
+    return extract_shard(cfg, spec, backend=HFBackend(model=tiny_model), model_config=TINY_SHAPE,
+                         try_number=try_number)
 
 
 @pytest.fixture(scope="module")
@@ -144,11 +146,15 @@ def test_fault_hook_fails_once_then_resume_is_byte_identical(tiny_done, tiny_mod
     once = tmp_path / "failed-once"
     monkeypatch.setenv(FAULT_ENV, f"shard=0,after_chunks=1,once_file={once}")
     with pytest.raises(InjectedFault, match="shard 0 after 1 committed chunks"):
-        tiny_run(tiny_model, spec, tmp_path / "out")
+        tiny_run(tiny_model, spec, tmp_path / "out", try_number=3)
     m = ShardManifest.load(tmp_path / "out" / "shard-00000")
     assert len(m.chunks) == 1 and not m.complete and once.exists()
-    resumed = tiny_run(tiny_model, spec, tmp_path / "out")  # once_file exists: no fault
+    # the failure, for the shard view: the error's first line and the try that failed
+    failure = json.loads((tmp_path / "out" / "shard-00000" / FAILURE_NAME).read_text())
+    assert failure["error"].startswith("InjectedFault: injected fault") and failure["try_number"] == 3
+    resumed = tiny_run(tiny_model, spec, tmp_path / "out", try_number=4)  # once_file exists: no fault
     assert resumed["resumed_from_chunk"] == 1 and resumed["complete"]
+    assert not (tmp_path / "out" / "shard-00000" / FAILURE_NAME).exists()  # a new attempt removes the record
     assert chunk_bytes(tmp_path / "out" / "shard-00000") == chunk_bytes(tiny_done[0])
 
 
@@ -271,6 +277,10 @@ def test_finished_shard_rerun_is_a_noop_and_only_state_params_are_refused(batche
     with pytest.raises(ConfigError, match=r"chunks are committed with storage_dtype='float32', this run has "
                                           r"storage_dtype='float8_e4m3fn'.*delete .*shard-00000"):
         extract_shard(config(smollm2_path, shard_dir.parent, storage_dtype="float8_e4m3fn"), spec)
+    # nothing overwritten; the refusal is recorded for the shard view (removed by the next attempt)
+    error = json.loads((shard_dir / FAILURE_NAME).read_text())["error"]
+    assert error.startswith("ConfigError: ") and "committed with storage_dtype='float32'" in error
+    (shard_dir / FAILURE_NAME).unlink()
     assert {p.name: p.stat().st_mtime_ns for p in shard_dir.iterdir()} == before
 
 

@@ -4,7 +4,8 @@ import torch
 
 from eagle3.extract.format import ShardManifest, write_chunk
 from eagle3.config import run_dir
-from eagle3.monitor import COMPLETE, IN_PROGRESS, NOT_STARTED, human_bytes, run_progress
+from eagle3.monitor import (COMPLETE, FAILED, IN_PROGRESS, NOT_STARTED, clear_failure, human_bytes, record_failure,
+                            run_progress)
 
 
 def chunk(rows, n_tok=3):
@@ -36,12 +37,46 @@ def test_states_counts_and_rates_from_real_manifests(tmp_path):
     assert [s.state for s in p.shards] == [COMPLETE, IN_PROGRESS, NOT_STARTED, NOT_STARTED, NOT_STARTED]
     assert (by[0].chunks, by[0].tokens, by[0].samples) == (2, 9, 3)
     assert by[0].bytes_written == sum(c.bytes for c in m0.chunks) > 0
-    assert by[0].tokens_per_s == 3.0  # 9 tokens over the 3 s between started_at and updated_at
+    assert by[0].tokens_per_s is None  # not running: no rate
     assert by[1].tokens_per_s == 1234.5 and by[1].tokens == 9
     t = p.totals
     assert (t["complete"], t["in_progress"], t["not_started"], t["chunks"], t["tokens"]) == (1, 1, 3, 3, 18)
     assert t["tokens_per_s"] == 1234.5
     json.dumps(p.to_dict())
+
+    # shard 1 fails (the extraction records it); shard 1's task is then known: failed on try 2
+    try:
+        raise RuntimeError("CUDA error: an illegal memory access\nstack line 2")
+    except RuntimeError as e:
+        record_failure(d1, e, try_number=2)
+    s1 = run_progress(tmp_path / "run").shards[1]
+    assert (s1.state, s1.error, s1.failed_try, s1.tokens_per_s, s1.chunks) == (
+        FAILED, "RuntimeError: CUDA error: an illegal memory access", 2, None, 1)
+    assert run_progress(tmp_path / "run").totals["failed"] == 1
+    # cleared in Airflow and queued again: the record is the last try's, the shard is not shown failed
+    s1 = run_progress(tmp_path / "run", tasks={1: {"state": "queued", "try_number": 3}}).shards[1]
+    assert s1.state == IN_PROGRESS and s1.tokens_per_s is None
+    clear_failure(d1)  # the new attempt starts
+    s1 = run_progress(tmp_path / "run", tasks={1: {"state": "running", "try_number": 3}}).shards[1]
+    assert (s1.state, s1.error, s1.tokens_per_s) == (IN_PROGRESS, None, 1234.5)
+
+
+def test_a_killed_shard_is_failed_by_its_task_state_and_shows_no_stale_rate(tmp_path):
+    """A SIGKILLed worker writes nothing: its shard's manifest still says "in progress" with the last rate;
+    the Airflow task state (failed, up for retry) says otherwise."""
+    d = tmp_path / "extract" / "shard-00000"
+    m = ShardManifest(shard=0, model_path="m", capture_layers=[1, 2, 3], hidden_size=2, dtype="bfloat16")
+    m.chunks.append(write_chunk(d, 0, chunk([0, 1])))
+    m.params.update(started_at="2026-12-03T01:00:00Z", tokens_per_s=99.0)
+    m.save(d)
+    for state, want in (("up_for_retry", FAILED), ("failed", FAILED), ("scheduled", IN_PROGRESS)):
+        s = run_progress(tmp_path, tasks={0: {"state": state, "try_number": 1}}).shards[0]
+        assert (s.state, s.tokens_per_s) == (want, None), state
+        assert (s.failed_try, "Airflow task " + state in (s.error or "")) == ((1, True) if want == FAILED else
+                                                                              (None, False))
+    assert run_progress(tmp_path, tasks={0: {"state": "running", "try_number": 1}}).shards[0].tokens_per_s == 99.0
+    assert run_progress(tmp_path, tasks={0: {"state": "running"}}).totals["tokens_per_s"] == 99.0
+    assert run_progress(tmp_path, tasks={0: {"state": "failed"}}).totals["tokens_per_s"] == 0
 
 
 def test_unreadable_and_odd_manifests_do_not_raise(tmp_path):

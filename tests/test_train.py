@@ -138,6 +138,13 @@ def test_training_lowers_loss_and_accuracy_beats_random_floor(trained):
     out = Path(cfg.output_dir)
     assert (out / "training.png").read_bytes()[:4] == b"\x89PNG"
     assert json.loads((out / "report.json").read_text())["steps"] == 24
+    # the same loss curve as TensorBoard event files (read back from disk), one point a step
+    from eagle3.train.tracking import read_scalars
+
+    tb = read_scalars(out / "tensorboard")
+    assert [p[0] for p in tb["train/loss"]] == list(range(1, 25))
+    assert [p[1] for p in tb["train/loss"]] == pytest.approx([r["loss"] for r in m], rel=1e-6)  # float32 there
+    assert [p[1] for p in tb["ttt_acc/step2"]] == pytest.approx([r["acc_k"][2] for r in m], rel=1e-6)
 
 
 @pytest.mark.slow
@@ -170,6 +177,36 @@ def test_resume_after_sigkill_reproduces_uninterrupted_run(shards, smollm2_path,
         assert a["lr"] == b["lr"]
         torch.testing.assert_close(torch.tensor([a["loss"], *a["loss_k"], *a["acc_k"]]),
                                    torch.tensor([b["loss"], *b["loss_k"], *b["acc_k"]]), rtol=1e-5, atol=1e-6)
+    # TensorBoard: two event files (killed attempt, resumed one); the resume's purge marker drops the steps the
+    # killed attempt logged after its checkpoint, so each step is read once, with the resumed run's value
+    from eagle3.train.tracking import read_scalars
+
+    assert len(list((kill_dir / "tensorboard").glob("events.out.tfevents.*"))) == 2
+    tb = read_scalars(kill_dir / "tensorboard")["train/loss"]
+    assert [p[0] for p in tb] == list(range(1, steps + 1))
+    assert [p[1] for p in tb] == pytest.approx([r["loss"] for r in got], rel=1e-6)
+
+
+def test_metrics_go_to_mlflow_when_a_tracking_uri_is_set(shards, smollm2_path, tmp_path):
+    """A local MLflow store (sqlite: MLflow 3 refuses a plain folder): the run holds the loss curve, the
+    params, and ends FINISHED; the run id is kept beside the checkpoints for a resume."""
+    from mlflow import MlflowClient
+
+    from eagle3.train.trainer import read_metrics, train
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    cfg = small_config(shards, tmp_path / "run" / "train", model_path=smollm2_path, max_steps=3, mlflow_tracking_uri=uri,
+                       mlflow_experiment="drafters")
+    train(cfg)
+    client = MlflowClient(tracking_uri=uri)
+    run_id = json.loads((tmp_path / "run" / "train" / "mlflow_run.json").read_text())["run_id"]
+    run = client.get_run(run_id)
+    assert run.info.status == "FINISHED" and run.info.run_name == "run"  # the run folder's name
+    assert client.get_experiment(run.info.experiment_id).name == "drafters"
+    assert run.data.params["lr"] == str(cfg.lr) and "shard_dirs" not in run.data.params
+    m = read_metrics(tmp_path / "run" / "train" / "metrics.jsonl")
+    history = sorted((p.step, p.value) for p in client.get_metric_history(run_id, "train/loss"))
+    assert history == [(r["step"], pytest.approx(r["loss"])) for r in m] and len(history) == 3
 
 
 # SGLang's loader (sgl-project/sglang python/sglang/srt/models/llama_eagle3.py, LlamaForCausalLMEagle3):

@@ -12,10 +12,16 @@ import torch
 from eagle3.models import ModelInfo
 
 
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+                 "glm4_moe": "Glm4MoeForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
+                 "glm_moe_dsa": "GlmMoeDsaForCausalLM"}
+
+
 def info(model_type: str = "llama", layers: int = 30, vocab: int = 300) -> ModelInfo:
     return ModelInfo(path="/target", model_type=model_type, num_layers=layers, hidden_size=32, intermediate_size=64,
                      num_attention_heads=4, num_key_value_heads=2, head_dim=8, vocab_size=vocab,
-                     max_position_embeddings=256, rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=False)
+                     max_position_embeddings=256, rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=False,
+                     architecture=ARCHITECTURES[model_type])
 
 
 def default_layers(num_layers: int) -> list[int]:
@@ -25,12 +31,13 @@ def default_layers(num_layers: int) -> list[int]:
 def sglang_captures(config: dict, target_model_type: str, num_layers: int) -> list[int]:
     """HF hidden_states indices SGLang feeds the drafter. sglang python/sglang/srt/speculative/eagle_worker.py
     reads eagle_config["eagle_aux_hidden_state_layer_ids"] (None -> the target's default); the target's
-    set_eagle3_layers_to_capture (models/llama.py) captures the input of layer id + 1; models/deepseek_v2.py
-    adds the 1 only when the first id is 1."""
+    set_eagle3_layers_to_capture (models/llama.py, qwen3.py, qwen3_moe.py, glm4_moe.py) captures the input of
+    layer id + 1; models/deepseek_v2.py (DeepseekV3ForCausalLM, and GlmMoeDsaForCausalLM of glm4_moe.py, a
+    subclass) adds the 1 only when the first id is 1 (sglang 0.5.23)."""
     ids = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
     if ids is None:
         return default_layers(num_layers)
-    if target_model_type in ("deepseek_v2", "deepseek_v3") and ids[0] != 1:
+    if target_model_type in ("deepseek_v3", "glm_moe_dsa") and ids[0] != 1:
         return list(ids)
     return [i + 1 for i in ids]
 
@@ -85,7 +92,11 @@ def export(tmp_path, target: ModelInfo, capture: list[int], draft_ids: torch.Ten
     ("llama", 30, [2, 15, 27]),  # the default of a 30-layer target
     ("llama", 30, [1, 5, 9]),  # custom, incl. the first decoder layer's output
     ("qwen3", 36, [3, 18, 33, 35]),  # four layers, none the default
+    ("qwen3_moe", 48, [1, 24, 45]),
+    ("glm4_moe", 46, [1, 23, 43]),  # GLM-4.5/4.6: SGLang adds the 1 whatever the first id
     ("deepseek_v3", 61, [2, 30, 58]),  # SGLang's DeepSeek model: first id 1, so it adds the 1
+    ("deepseek_v3", 61, [3, 30, 58]),  # first id 3: it takes the ids as they are
+    ("glm_moe_dsa", 78, [4, 39, 75]),  # GLM-5 runs on SGLang's DeepSeek model
 ])
 def test_both_engines_capture_exactly_our_capture_layers(tmp_path, model_type, layers, capture):
     from eagle3.train.serving import serving_problems
@@ -94,19 +105,21 @@ def test_both_engines_capture_exactly_our_capture_layers(tmp_path, model_type, l
     assert sglang_captures(config, model_type, layers) == capture
     assert vllm_v1_captures(config, layers) == capture
     assert vllm_v2_captures(config, layers) == capture
-    assert serving_problems(capture, model_type) == []
+    assert serving_problems(capture, ARCHITECTURES[model_type]) == []
 
 
-def test_a_deepseek_target_whose_first_capture_is_not_2_is_reported(tmp_path):
+@pytest.mark.parametrize("model_type", ["deepseek_v3", "glm_moe_dsa"])
+def test_a_deepseek_model_target_whose_first_capture_is_1_is_reported(tmp_path, model_type):
+    """Ids [0, ..] make SGLang's DeepSeek model capture the embeddings, ids [1, ..] layer 2: no ids give 1."""
     from eagle3.train.serving import serving_problems
 
-    capture = [3, 30, 58]
-    config, _, _ = export(tmp_path, info("deepseek_v3", 61), capture, torch.arange(0, 300, 3))
+    capture = [1, 30, 58]
+    config, _, _ = export(tmp_path, info(model_type, 61), capture, torch.arange(0, 300, 3))
     assert vllm_v1_captures(config, 61) == vllm_v2_captures(config, 61) == capture
-    got = sglang_captures(config, "deepseek_v3", 61)
-    assert got != capture  # SGLang cannot be told these layers for this model: say so instead
-    (problem,) = serving_problems(capture, "deepseek_v3")
-    assert f"capture layers {got} instead of {capture}" in problem
+    for ids in ([0, 29, 57], [1, 30, 58]):
+        assert sglang_captures({"eagle_config": {"eagle_aux_hidden_state_layer_ids": ids}}, model_type, 61) != capture
+    (problem,) = serving_problems(capture, ARCHITECTURES[model_type])
+    assert "cannot serve" in problem and str(capture) in problem and "vLLM" in problem
 
 
 def test_a_draft_vocabulary_of_the_whole_target_vocabulary_loads_in_both_engines(tmp_path):

@@ -27,6 +27,20 @@ def test_pinning_only_when_enabled():
     assert pin_process_to_gpu(0, env) == "2"
 
 
+def test_tensor_parallel_slots_get_a_group_of_gpus():
+    from eagle3.worker import gpus_for_slot, task_slots
+
+    gpus = [str(i) for i in range(8)]
+    assert [gpus_for_slot(s, gpus, 4) for s in range(3)] == [gpus[:4], gpus[4:], gpus[:4]]
+    assert gpus_for_slot(5, gpus, 1) == ["5"]
+    with pytest.raises(ValueError, match=r"8 GPUs .* do not split into groups of 3"):
+        gpus_for_slot(0, gpus, 3)
+    env = {"EAGLE3_GPUS": ",".join(gpus), "EAGLE3_EXTRACT_TP_SIZE": "2", "EAGLE3_PIN_GPUS": "1"}
+    assert task_slots(env) == 4 and pin_process_to_gpu(1, env) == "2,3" and env["CUDA_VISIBLE_DEVICES"] == "2,3"
+    env["EAGLE3_GPUS_PER_TASK"] = "8"  # wins over the extract tp size (e.g. a datagen server on 8 GPUs)
+    assert task_slots(env) == 1 and pin_process_to_gpu(3, env) == ",".join(gpus)
+
+
 def test_worker_hostname_override(monkeypatch):
     monkeypatch.setenv("EAGLE3_WORKER_NAME", "gpu-worker-7")
     assert worker_hostname() == "gpu-worker-7"

@@ -28,6 +28,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Callable, ContextManager, Iterator
 
+from eagle3.datagen.auto_server import resolved_config
 from eagle3.datagen.client import Endpoint, RunStats, SampleFailed, cost_usd, generate_all, make_client
 from eagle3.datagen.prompts import MAX_REPORTED_BAD_LINES, Prompt, read_prompts
 from eagle3.datagen.redact import redact, redacting_logger, register_secret
@@ -304,6 +305,7 @@ def run_datagen(spec: DatasetSpec, cfg: DatagenConfig, *, base_url: str | None =
     """One dataset of the datagen task. remote: the endpoint at `base_url` answers; local: the task's own server
     answers, started only when prompts are left to generate. `api_key` goes to either."""
     register_secret(api_key)  # before a local server starts: it may print its --api-key
+    cfg = resolved_config(cfg)  # "auto" server values, when no preflight resolved them (the CLI, tests)
     if cfg.mode == "remote":
         if base_url is None:
             raise ConfigError(f"datagen: mode 'remote' needs the endpoint's base URL (from conn_id {cfg.conn_id!r})")

@@ -11,7 +11,6 @@ exits, so start it from the thread that lives for the whole task (Airflow's exec
 
 from __future__ import annotations
 
-import ctypes
 import os
 import shlex
 import signal
@@ -26,11 +25,11 @@ from dataclasses import dataclass, field
 
 from eagle3.datagen.redact import redact, redacting_logger
 from eagle3.errors import ConfigError, PipelineError
+from eagle3.procs import die_with_parent
 
 log = redacting_logger(__name__)
 
 DEFAULT_SERVER_COMMAND = "python -m sglang.launch_server --model-path {model_path} --host {host} --port {port}"
-PR_SET_PDEATHSIG = 1
 READY_PATHS = ("/v1/models", "/health")
 
 
@@ -38,12 +37,6 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
-
-
-def _die_with_parent() -> None:
-    """Runs in the child between fork and exec: ask the kernel for SIGKILL when our parent dies."""
-    libc = ctypes.CDLL("libc.so.6", use_errno=True)
-    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
 
 
 def build_command(template: str, extra_args: list[str] | str | None = None, **values) -> list[str]:
@@ -86,7 +79,7 @@ class LocalServer:
         env = {**os.environ, **(self.env or {}), "PYTHONUNBUFFERED": "1"}
         try:
             self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         env=env, start_new_session=True, preexec_fn=_die_with_parent)
+                                         env=env, start_new_session=True, preexec_fn=die_with_parent)
         except OSError as e:
             raise PipelineError(f"server_command {argv[0]!r} could not start: {e}") from e
         log.info("local server pid %d (process group %d) on port %d", self.proc.pid, self.proc.pid, self.port)

@@ -123,14 +123,18 @@ class DatagenConfig:
                      help="local: the task starts server_command; remote: the endpoint of datagen_conn_id")
     conn_id: str | None = knob(None, param="datagen_conn_id", section="Data generation",
                                help="Airflow Connection with the endpoint URL and API key (needed in remote mode)")
-    served_model_name: str = knob("default", param="served_model_name", section="Data generation", pattern=r"\S",
-                                  help="model name sent in each request (what the endpoint serves)")
-    server_command: str | None = knob(None, param="server_command", section="Data generation",
-                                      help="local server command ({model_path} {port} {host} {gguf}); null = SGLang")
+    served_model_name: str = knob("auto", param="served_model_name", section="Data generation", pattern=r"\S",
+                                  help="model name sent in each request (what the endpoint serves); auto = what "
+                                       "the auto-chosen local server serves")
+    server_command: str | None = knob("auto", param="server_command", section="Data generation",
+                                      help="local server command ({model_path} {port} {host} {gguf}); auto = SGLang "
+                                           "on a GPU, else llama.cpp on the model's GGUF (preflight says which); "
+                                           "null = SGLang")
     server_extra_args: str | None = knob(None, param="server_extra_args", section="Data generation",
                                          help="extra flags for the local server, e.g. '--tp 8'")
-    gguf: str | None = knob(None, param="gguf", section="Data generation",
-                            help="GGUF file for servers that take one ({gguf} in server_command)")
+    gguf: str | None = knob("auto", param="gguf", section="Data generation",
+                            help="GGUF file for servers that take one ({gguf} in server_command); auto = a *.gguf "
+                                 "in model_path, or the packaged one of the demo model")
     client: dict = knob(default_factory=lambda: dict(DEFAULT_CLIENT), param="datagen_client",
                         section="Data generation",
                         help="client params: concurrency, request_timeout_s, max_retries, max_failed_fraction, "

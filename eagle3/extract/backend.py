@@ -90,18 +90,37 @@ class ExtractionBackend(Protocol):
         """Forward a right-padded [B, L] batch on the device; return ([B, L, H] per capture layer, final [B, L, H])."""
 
 
-def load_decoder(backend, model_path: str, dtype: str, device: str, capture_layers: list[int]) -> None:
+def on_device(have: torch.device, want: str) -> bool:
+    """Is a tensor on `have` already on `want` ("cuda" means any index, as .to("cuda") would keep it)?"""
+    want = torch.device(want)
+    return have.type == want.type and want.index in (None, have.index)
+
+
+def load_decoder(backend, model_path: str, dtype: str, device: str, capture_layers: list[int],
+                 tp_plan: str | None = None) -> None:
     """The setup every HF-weights backend shares: load `backend.model` (unless preloaded) on `device` in `dtype`,
     find its decoder, and check the capture layers against it. Sets backend.model/.info/.base/.num_layers/
-    .hidden_size/.capture_layers/.device/.dtype."""
+    .hidden_size/.capture_layers/.device/.dtype. `tp_plan` ("auto"): transformers' tensor parallelism over the
+    default process group, each rank on its LOCAL_RANK device (eagle3.extract.tp)."""
     torch_dtype = check_dtype(dtype, device)
     if backend.model is None:
         from transformers import AutoModelForCausalLM
 
+        from eagle3.fit import check_fp8_device, fp8_checkpoint, load_config
+
         backend.info = model_info(model_path)
         resolve_capture_layers(capture_layers, backend.info)  # before spending time on the weights
-        backend.model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=torch_dtype).to(device)
-    else:
+        config = load_config(model_path)
+        check_fp8_device(config, device, model_path)
+        if fp8_checkpoint(config) and not tp_plan:  # the FP8 quantizer places the weights itself
+            backend.model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=torch_dtype, device_map=device)
+        elif tp_plan:
+            backend.model = AutoModelForCausalLM.from_pretrained(
+                str(model_path), dtype=torch_dtype, distributed_config=distributed_config(model_path, tp_plan))
+        else:
+            backend.model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=torch_dtype).to(device)
+    elif not on_device(next(backend.model.parameters()).device, device) or backend.model.dtype != torch_dtype:
+        # (a model already in place is left alone: torchao's quantized weights need not support .to)
         backend.model = backend.model.to(device=device, dtype=torch_dtype)
     backend.model.eval()
     model = backend.model
@@ -120,6 +139,18 @@ def load_decoder(backend, model_path: str, dtype: str, device: str, capture_laye
     backend.dtype = torch_dtype
 
 
+def distributed_config(model_path: str, tp_plan: str):
+    """transformers' tensor parallelism over the default process group; a MoE target's experts spread over the
+    ranks (expert parallelism) rather than each expert split."""
+    import torch.distributed as dist
+    from transformers.distributed import DistributedConfig
+
+    from eagle3.fit import load_config, num_experts
+
+    moe = bool(num_experts(load_config(model_path)))
+    return DistributedConfig(tp_size=dist.get_world_size(), tp_plan=tp_plan, enable_expert_parallel=moe)
+
+
 class HFBackend:
     """HF transformers causal LM: hooks on the capture layers only, the base model called without lm_head.
 
@@ -128,8 +159,10 @@ class HFBackend:
     fused causal path.
     """
 
-    def __init__(self, model=None, info: ModelInfo | None = None, compile: bool = False, attention: str = "auto"):
+    def __init__(self, model=None, info: ModelInfo | None = None, compile: bool = False, attention: str = "auto",
+                 tp_plan: str | None = None):
         self.model = model  # a preloaded *ForCausalLM (the benchmark builds random-weight ones)
+        self.tp_plan = tp_plan
         self.info = info
         self.compile = compile
         self.attention = attention  # SDPA kernel: a key of SDPA_KERNELS
@@ -139,7 +172,7 @@ class HFBackend:
     # -- setup --------------------------------------------------------------------------
     def load(self, model_path: str, dtype: str, device: str, capture_layers: list[int]) -> None:
         check_attention(self.attention, device)
-        load_decoder(self, model_path, dtype, device, capture_layers)
+        load_decoder(self, model_path, dtype, device, capture_layers, tp_plan=self.tp_plan)
         layers = self.base.layers
         for h in self._hooks:
             h.remove()

@@ -62,6 +62,13 @@ class ExtractConfig:
                           help="SDPA kernel of the forward: auto (torch picks), flash, cudnn, efficient, math.")
     # cuDNN attention builds a host-side plan per new (rows, length), ~40-60 ms on the H200, which at the 135M
     # shape made a run over new shapes 2.8x slower than over known ones (docs/benchmarks.md, run 9)
+    # N ranks via eagle3.launch (one GPU each; gloo ranks on the CPU), transformers' tp_plan="auto"; rank 0 alone
+    # captures and writes (the residual stream is replicated), so chunks, manifest and resume are unchanged
+    tp_size: int = knob(1, min=1, max=64, param="extract_tp_size", section=SECTION,
+                        help="Tensor-parallel ranks (GPUs) per shard: must divide the attention heads, kv heads and "
+                             "experts; the shard task takes this many gpu pool slots. 1 = one process.")
+    rank_timeout_s: float = knob(600.0, gt=0, help="tp_size > 1: a collective that waits longer fails the shard "
+                                                   "(a rank that died or hangs), and every rank is stopped.")
     pad_multiple: str | int = knob(
         "auto", min=1, pattern=r"^(auto|[1-9][0-9]*)$", param="extract_pad_multiple", section=SECTION,
         help="Right-pad each batch to a multiple of this many tokens (a bounded set of shapes); auto = 1 on the "
@@ -99,7 +106,7 @@ def check_patterns(cfg, where: str) -> None:
 @dataclass
 class ShardPlanConfig:
     merge_dir: str = knob(help="The merged dataset (eagle3.merge.dataset) to split into shards.")
-    num_shards: int = knob(4, min=1, max=4096, param="num_shards", section=SECTION,
+    num_shards: int = knob(2, min=1, max=4096, param="num_shards", section=SECTION,
                            help="Extraction tasks (shards of about equal tokens); one GPU each at a time.")
 
     def __post_init__(self):

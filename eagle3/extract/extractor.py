@@ -37,6 +37,7 @@ from eagle3.extract.plan import ShardData, ShardSpec, load_shard_data
 from eagle3.faults import maybe_inject_fault
 from eagle3.io import MANIFEST_NAME, PhaseOutput, fingerprint, remove_stale_temps
 from eagle3.models import model_info, resolve_capture_layers
+from eagle3.monitor import clear_failure, record_failure
 
 log = logging.getLogger(__name__)
 
@@ -246,15 +247,9 @@ class ShardExtractor:
     # -- run ------------------------------------------------------------------------------
     def run(self) -> dict:
         t0 = self._t_run0 = time.perf_counter()
-        self.shard_dir.mkdir(parents=True, exist_ok=True)
-        remove_stale_temps(self.shard_dir)
-        out = PhaseOutput(self.shard_dir, self.fingerprint)
-        if out.completed(verify=lambda rec: self._chunks_intact(ShardManifest.load(self.shard_dir)) ==
-                         len(rec["chunks"])) is not None:
-            m = ShardManifest.load(self.shard_dir)
-            log.info("shard %d: already complete (%d chunks, %d tokens): nothing to do",
-                     self.spec.shard, len(m.chunks), m.tokens)
-            return self._summary(m, time.perf_counter() - t0, 0, True, len(m.chunks))
+        done = self.completed_summary()
+        if done is not None:
+            return done
 
         m = self._open_manifest()
         data = load_shard_data(self.spec)
@@ -277,6 +272,20 @@ class ShardExtractor:
         log.info("shard %d: complete: %d chunks, %d tokens, %.2f GB in %.1fs", self.spec.shard, len(m.chunks),
                  m.tokens, sum(c.bytes for c in m.chunks) / 1e9, dt)
         return self._summary(m, dt, m.tokens - tokens_before, False, start)
+
+    def completed_summary(self) -> dict | None:
+        """The summary of a shard already complete with these state params (nothing to do), else None."""
+        t0 = time.perf_counter()
+        self.shard_dir.mkdir(parents=True, exist_ok=True)
+        remove_stale_temps(self.shard_dir)
+        out = PhaseOutput(self.shard_dir, self.fingerprint)
+        if out.completed(verify=lambda rec: self._chunks_intact(ShardManifest.load(self.shard_dir)) ==
+                         len(rec["chunks"])) is None:
+            return None
+        m = ShardManifest.load(self.shard_dir)
+        log.info("shard %d: already complete (%d chunks, %d tokens): nothing to do",
+                 self.spec.shard, len(m.chunks), m.tokens)
+        return self._summary(m, time.perf_counter() - t0, 0, True, len(m.chunks))
 
     def _load_backend(self) -> ExtractionBackend:
         if self.backend is None:
@@ -367,6 +376,20 @@ class ShardExtractor:
 
 
 def extract_shard(cfg: ExtractConfig, spec: ShardSpec | dict, backend: ExtractionBackend | None = None,
-                  model_config: dict | None = None) -> dict:
-    """Extract one shard (resumable, a no-op when complete) and return a small JSON-able summary."""
-    return ShardExtractor(cfg, spec, backend=backend, model_config=model_config).run()
+                  model_config: dict | None = None, try_number: int | None = None) -> dict:
+    """Extract one shard (resumable, a no-op when complete) and return a small JSON-able summary.
+    tp_size > 1: in tp_size ranks (eagle3.extract.tp). A failure leaves last_error.json (its first line,
+    `try_number`) in the shard folder for the shard view (eagle3.monitor); the next attempt removes it."""
+    spec = spec if isinstance(spec, ShardSpec) else ShardSpec.from_dict(spec)
+    shard_dir = Path(cfg.extract_dir) / f"shard-{spec.shard:05d}"
+    clear_failure(shard_dir)
+    try:
+        if cfg.tp_size > 1 and backend is None:
+            from eagle3.extract.tp import extract_shard_tp
+
+            return extract_shard_tp(cfg, spec)
+        return ShardExtractor(cfg, spec, backend=backend, model_config=model_config).run()
+    except BaseException as e:  # a kill by Airflow (SIGTERM) too; SIGKILL leaves nothing, the view then asks Airflow
+        shard_dir.mkdir(parents=True, exist_ok=True)
+        record_failure(shard_dir, e, try_number)
+        raise

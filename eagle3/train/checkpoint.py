@@ -63,10 +63,12 @@ class Checkpoints:
         found = sorted(self.folder.glob("step-*.pt")) if self.folder.is_dir() else []
         return found[-1] if found else None
 
-    def save(self, pos: Position, model, optimizer, scheduler) -> Path:
+    def save(self, pos: Position, model, optimizer, scheduler, states: tuple[dict, dict] | None = None) -> Path:
+        """states: (model, optimizer) state dicts gathered by the caller (FSDP2), instead of the objects' own."""
         self.folder.mkdir(parents=True, exist_ok=True)
         path = self.folder / f"step-{pos.step:08d}.pt"
-        payload = {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+        model_state, optimizer_state = states or (model.state_dict(), optimizer.state_dict())
+        payload = {"model": model_state, "optimizer": optimizer_state,
                    "scheduler": scheduler.state_dict(), "rng": rng_state(), "step": pos.step, "epoch": pos.epoch,
                    "batch_pos": pos.batch_pos, "fingerprint": self.fingerprint}
         with atomic_path(path) as tmp:
@@ -75,22 +77,37 @@ class Checkpoints:
             old.unlink(missing_ok=True)
         return path
 
-    def restore(self, model, optimizer, scheduler, metrics_path: Path) -> Position:
+    def restore(self, model, optimizer, scheduler, metrics_path: Path | None, load_states=None) -> Position:
         """Load the latest checkpoint into the objects and cut the metrics back to it; without one, start
-        afresh (the metrics of an earlier run in this folder are removed)."""
+        afresh (the metrics of an earlier run in this folder are removed). metrics_path None: the metrics are
+        another process's (ranks other than 0 of a distributed run)."""
         path = self.latest()
         if path is None:
-            metrics_path.unlink(missing_ok=True)
+            if metrics_path is not None:
+                metrics_path.unlink(missing_ok=True)
             return Position()
         ck = torch.load(path, map_location="cpu", weights_only=False)
         if ck["fingerprint"] != self.fingerprint:
             raise PipelineError(f"{path}: written with other training params; use a new output_dir or delete "
                                 f"{self.folder}")
-        model.load_state_dict(ck["model"])
-        optimizer.load_state_dict(ck["optimizer"])
+        if load_states is not None:  # FSDP2: load_states(model, optimizer, model state, optimizer state)
+            load_states(model, optimizer, ck["model"], ck["optimizer"])
+        else:
+            model.load_state_dict(ck["model"])
+            optimizer.load_state_dict(ck["optimizer"])
         scheduler.load_state_dict(ck["scheduler"])
         set_rng_state(ck["rng"])
         pos = Position(ck["step"], ck["epoch"], ck["batch_pos"])
-        truncate_metrics(metrics_path, pos.step)
+        if metrics_path is not None:
+            truncate_metrics(metrics_path, pos.step)
         log.info("resumed from %s at step %d (epoch %d, batch %d)", path, pos.step, pos.epoch, pos.batch_pos)
         return pos
+
+    def load_model(self, model) -> int:
+        """Load only the model of the latest checkpoint; returns its step."""
+        path = self.latest()
+        if path is None:
+            raise PipelineError(f"{self.folder}: no checkpoint")
+        ck = torch.load(path, map_location="cpu", weights_only=False)
+        model.load_state_dict(ck["model"])
+        return int(ck["step"])

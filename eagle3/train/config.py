@@ -15,7 +15,10 @@ from eagle3.knobs import check_knobs, knob
 TRAINING, EVALUATION = "Training", "Evaluation"
 
 # Params that change how a run goes, not what it produces: a finished run with other values is reused.
-_NOT_IN_FINGERPRINT = ("device", "log_every", "log_every_s", "checkpoint_every", "keep_checkpoints", "compile")
+# num_gpus and parallel too: the global batch and its loss are the same at any N, so a run resumes at another N.
+_NOT_IN_FINGERPRINT = ("device", "log_every", "log_every_s", "checkpoint_every", "keep_checkpoints", "compile",
+                       "mlflow_tracking_uri", "mlflow_experiment", "num_gpus", "parallel", "dist_timeout_s")
+PARALLEL_CHOICES = ("ddp", "fsdp")
 
 
 @dataclass
@@ -49,6 +52,18 @@ class TrainConfig:
     log_every_s: float = knob(10.0, min=0, help="A progress line in the task log at most this often (seconds).")
     compile: bool = knob(True, help="torch.compile the TTT loss on GPU.")
     pad_multiple: int = knob(256, min=1, help="Compiled: pad batch lengths to pad_multiple * 2^j (few graphs).")
+    mlflow_tracking_uri: str = knob("", help="Also log the metrics to MLflow here (the operator sets it from an "
+                                             "Airflow Connection); TensorBoard event files are always written.")
+    mlflow_experiment: str = knob("eagle3", help="The MLflow experiment of the run.")
+    num_gpus: int = knob(1, min=1, max=64, param="train_num_gpus", section=TRAINING,
+                         help="GPUs (ranks) training uses; each micro-batch's samples are spread over them, so the "
+                              "global batch (batch_size x grad_accum) is the same at any N. On the CPU: gloo ranks.")
+    parallel: str = knob("ddp", choices=PARALLEL_CHOICES,
+                         help="With num_gpus > 1: ddp (a whole drafter and its optimizer state on every GPU) or fsdp "
+                              "(FSDP2: parameters, gradients and optimizer state sharded over the GPUs, for a "
+                              "drafter that does not fit one).")
+    dist_timeout_s: float = knob(1800.0, gt=0, help="With num_gpus > 1: a rank that waits this long on the others "
+                                                    "fails the run (a dead or hung rank cannot stall it for longer).")
 
     def __post_init__(self) -> None:
         check_knobs(self, "train")
@@ -57,6 +72,10 @@ class TrainConfig:
         if self.max_seq_len < self.ttt_steps + 2:
             raise ConfigError(f"train param max_seq_len {self.max_seq_len} must be >= ttt_steps + 2 = "
                               f"{self.ttt_steps + 2}: step K predicts the token K+1 places ahead")
+        if self.num_gpus > self.batch_size:
+            raise ConfigError(f"train param batch_size {self.batch_size} cannot be spread over train_num_gpus "
+                              f"{self.num_gpus}: every rank takes a share of each micro-batch's samples; use "
+                              f"batch_size >= {self.num_gpus} (and grad_accum for a larger global batch), or fewer GPUs")
 
     def fingerprint(self) -> str:
         return fingerprint({k: v for k, v in asdict(self).items() if k not in _NOT_IN_FINGERPRINT})
@@ -86,6 +105,11 @@ class EvalConfig:
                                                  "(0 = all): slow.")
     seed: int = knob(0, min=0, help="Seed of the random-floor drafter.")
     device: str = knob("auto", help="auto = cuda when available; the target runs in fp32 there too.")
+    # the run configuration sets it from the form's extract_tp_size: a target extraction needed N GPUs for needs
+    # them here too (eagle3.config.PHASE_SOURCES)
+    tp_size: int = knob(1, min=1, max=64, help="Tensor-parallel ranks of the target (transformers' tp_plan); the "
+                                               "drafter runs replicated in every rank.")
+    rank_timeout_s: float = knob(600.0, gt=0, help="tp_size > 1: a collective that waits longer fails the run.")
 
     def __post_init__(self) -> None:
         check_knobs(self, "eval")

@@ -154,7 +154,8 @@ def answers_report(turns: list[TurnPrompt], answers: list[Answer], k: int, max_n
             total.add(acc)
         eos = bool(a.tokens) and a.tokens[-1] == eos_id
         rec = {"conv": t.conv, "question_id": t.question_id, "turn": t.turn, "category": t.category,
-               "new_tokens": len(a.tokens), "ended_with_eos": eos, "hit_cap": not eos and len(a.tokens) >= max_new_tokens,
+               "new_tokens": len(a.tokens), "ended_with_eos": eos,
+               "hit_cap": not eos and len(a.tokens) >= max_new_tokens,
                "accepted_per_round": list(a.accepted_per_round)}
         if check_greedy:
             rec["identical_to_greedy"] = a.tokens == t.greedy

@@ -54,7 +54,7 @@ def engine_config(cfg: DrafterConfig, info, capture_layers: list[int], torch_dty
         "eos_token_id": getattr(info, "eos_token_id", None),
         "eagle_aux_hidden_state_layer_ids": vllm_layer_ids(capture_layers),
         "eagle_config": {
-            "eagle_aux_hidden_state_layer_ids": sglang_layer_ids(capture_layers),
+            "eagle_aux_hidden_state_layer_ids": sglang_layer_ids(capture_layers, getattr(info, "architecture", "")),
             "use_aux_hidden_state": True,
             "use_input_layernorm_in_first_layer": True,
             "use_last_layernorm": True,

@@ -45,13 +45,21 @@ class DrafterConfig:
     def from_target(cls, info, draft_vocab_size: int, num_aux_layers: int = 3) -> "DrafterConfig":
         """The drafter takes the target's shapes (eagle3.models.ModelInfo), head_dim included: it need not be
         hidden / heads (Qwen3: 128; a GLM-4.5 shape, 5120 / 96, is not even an integer), and serving engines
-        build the draft attention from the exported head_dim."""
+        build the draft attention from the exported head_dim. A target with multi-head latent attention has no
+        Llama-shaped attention to copy (its head_dim is the rotary part of q/k alone): the drafter then takes
+        heads of the value width, hidden / v_head_dim of them, sharing 8 kv heads where that divides (for
+        DeepSeek-V3: 56 heads of 128, 8 kv heads, the shape of SpecForge's DeepSeek-V3 drafter)."""
+        heads, kv_heads, head_dim = info.num_attention_heads, info.num_key_value_heads, info.head_dim
+        if getattr(info, "kv_lora_rank", 0) and getattr(info, "v_head_dim", 0):
+            head_dim = info.v_head_dim
+            heads = max(1, info.hidden_size // head_dim)
+            kv_heads = math.gcd(heads, 8)
         return cls(
             hidden_size=info.hidden_size,
             intermediate_size=info.intermediate_size,
-            num_attention_heads=info.num_attention_heads,
-            num_key_value_heads=info.num_key_value_heads,
-            head_dim=info.head_dim,
+            num_attention_heads=heads,
+            num_key_value_heads=kv_heads,
+            head_dim=head_dim,
             draft_vocab_size=draft_vocab_size,
             target_vocab_size=info.vocab_size,
             rms_norm_eps=info.rms_norm_eps,
@@ -189,6 +197,10 @@ class Eagle3Drafter(nn.Module):
             hidden = self.midlayer.finish(out, hidden)  # pre-norm state: the next step's input feature
             all_logits.append(self.logits(hidden))
         return all_logits
+
+    def forward(self, aux: torch.Tensor, embeds_per_step: list, positions: torch.Tensor):
+        """= ttt_forward: the training call, which DistributedDataParallel wraps (it syncs gradients of forward)."""
+        return self.ttt_forward(aux, embeds_per_step, positions)
 
     @torch.no_grad()
     def forward_cached(self, embeds, hidden, positions, cache: dict, fuse: bool):

@@ -79,7 +79,7 @@ def train_phase(cfg: TrainConfig) -> dict:
         return done
     record.invalidate()
     res = train(cfg)
-    problems = serving_problems(res["capture_layers"], res["info"].model_type)
+    problems = serving_problems(res["capture_layers"], res["info"].architecture)
     for p in problems:
         log.warning("%s", p)
     export_drafter(res["drafter"], res["vocab"], res["info"], res["capture_layers"], export_dir)
@@ -109,44 +109,86 @@ def _headline(results: dict, key: str) -> dict:
     return {k: r[key] for k, r in results["by_k"].items()}
 
 
-def evaluate_phase(cfg: EvalConfig) -> dict:
+def speculate(cfg: EvalConfig, convs: list, device: torch.device, tp: bool = False) -> dict:
+    """Load the export and the target; speculate on `convs` with the trained drafter (and the random floor).
+    tp: this process is one rank of cfg.tp_size: the target is loaded with transformers' tp_plan (its ranks run
+    every forward together, each with the whole drafter)."""
     from eagle3.models import load_model, load_tokenizer
     from eagle3.train.evaluation import evaluate_conversations, make_decoder
     from eagle3.train.model import Eagle3Drafter
 
-    out = Path(cfg.output_dir)
-    export_cfg = Path(cfg.export_dir) / "config.json"
-    if not export_cfg.is_file():
-        raise PipelineError(f"eval param export_dir: {cfg.export_dir} holds no drafter export (no config.json)")
-    record = PhaseOutput(out, fingerprint({**asdict(cfg), "export_sha256": sha256_file(Path(cfg.export_dir) /
-                                                                                         WEIGHTS_FILE)}), REPORT)
-    if (done := record.completed()) is not None:
-        return done
-    record.invalidate()
-    convs = load_conversations(cfg)  # a bad prompt file fails before the models load
-    device = pick_device(cfg.device)
     drafter, vocab, config = load_exported(cfg.export_dir)
     drafter.to(device)
     capture = config["eagle3_pipeline"]["capture_layers"]
     tok = load_tokenizer(cfg.model_path)
-    target = load_model(cfg.model_path, device=str(device))
+    if tp:
+        from transformers import AutoModelForCausalLM
+
+        from eagle3.extract.backend import distributed_config
+
+        target = AutoModelForCausalLM.from_pretrained(str(cfg.model_path), dtype=torch.float32,
+                                                      distributed_config=distributed_config(cfg.model_path, "auto"))
+        target.eval()
+    else:
+        target = load_model(cfg.model_path, device=str(device))
     dec = make_decoder(cfg.decoder, target, drafter, vocab, capture, tok.eos_token_id)
     trained = evaluate_conversations(dec, tok, convs, cfg.max_new_tokens, cfg.ks)
-    turns = trained.pop("turns")
     results = {"trained": trained}
     if cfg.random_floor:
         torch.manual_seed(cfg.seed)
         floor = Eagle3Drafter(drafter.cfg).eval().to(device)
         floor_dec = make_decoder(cfg.decoder, target, floor, vocab, capture, tok.eos_token_id)
         results["random_init"] = evaluate_conversations(floor_dec, tok, convs, cfg.max_new_tokens, cfg.ks[:1],
-                                                        turns=turns[: cfg.floor_max_prompts or None],
+                                                        turns=trained["turns"][: cfg.floor_max_prompts or None],
                                                         check_greedy=False)
         results["random_init"].pop("turns")
+    return results
+
+
+def speculate_rank(cfg: EvalConfig, convs: list) -> dict | None:
+    """One rank of a tensor-parallel evaluation (run by eagle3.launch.run_distributed): rank 0 returns the results."""
+    import torch.distributed as dist
+
+    device = pick_device(cfg.device)
+    if device.type == "cuda":
+        device = torch.device("cuda", torch.cuda.current_device())
+    results = speculate(cfg, convs, device, tp=True)
+    return results if dist.get_rank() == 0 else None
+
+
+def speculate_tp(cfg: EvalConfig, convs: list, device: torch.device) -> dict:
+    """speculate() with the target in cfg.tp_size ranks (nccl on GPUs, gloo on the CPU); the checks first."""
+    from eagle3.fit import check_tp_divides, load_config
+    from eagle3.launch import run_distributed
+    from eagle3.train.distributed import check_backend
+
+    check_tp_divides(load_config(cfg.model_path), cfg.tp_size, "extract_tp_size", where=str(cfg.model_path))
+    backend = check_backend(device, cfg.tp_size, "extract_tp_size")
+    return run_distributed("eagle3.train.run:speculate_rank", (cfg, convs), nprocs=cfg.tp_size, backend=backend,
+                           timeout_s=cfg.rank_timeout_s, name="eagle3-evaluate")[0]
+
+
+def evaluate_phase(cfg: EvalConfig) -> dict:
+    out = Path(cfg.output_dir)
+    export_cfg = Path(cfg.export_dir) / "config.json"
+    if not export_cfg.is_file():
+        raise PipelineError(f"eval param export_dir: {cfg.export_dir} holds no drafter export (no config.json)")
+    params = {k: v for k, v in asdict(cfg).items() if k not in ("tp_size", "rank_timeout_s")}  # how, not what
+    record = PhaseOutput(out, fingerprint({**params, "export_sha256": sha256_file(Path(cfg.export_dir) /
+                                                                                   WEIGHTS_FILE)}), REPORT)
+    if (done := record.completed()) is not None:
+        return done
+    record.invalidate()
+    convs = load_conversations(cfg)  # a bad prompt file fails before the models load
+    device = pick_device(cfg.device)
+    results = speculate_tp(cfg, convs, device) if cfg.tp_size > 1 else speculate(cfg, convs, device)
+    trained = results["trained"]
+    turns = trained.pop("turns")
     out.mkdir(parents=True, exist_ok=True)
     plot_acceptance({f"{name} k={k}": r for name, res in results.items() for k, r in res["by_k"].items()},
                     out / "acceptance.png")
-    report = {"params": asdict(cfg), "device": str(device), "conversations": len(convs), "answers": len(turns),
-              "ks": cfg.ks, "tau": _headline(trained, "tau"),
+    report = {"params": asdict(cfg), "device": str(device), "tp_size": cfg.tp_size, "conversations": len(convs),
+              "answers": len(turns), "ks": cfg.ks, "tau": _headline(trained, "tau"),
               "tau_ended_with_eos": _headline(trained, "tau_ended_with_eos"),
               "share_hit_cap": _headline(trained, "share_hit_cap"),
               "tau_per_turn": {k: {t: s["tau"] for t, s in r["per_turn"].items()} for k, r in trained["by_k"].items()},

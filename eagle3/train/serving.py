@@ -5,9 +5,12 @@ entering decoder layer i. Read in the engines' sources (sglang 0.5.x, vllm 0.33 
 
 - SGLang reads only the nested `eagle_config.eagle_aux_hidden_state_layer_ids` (speculative/eagle_worker.py) and
   its targets capture at the input of layer id + 1 (models/llama.py `set_eagle3_layers_to_capture`: "+1 because
-  sglang captures the INPUT to the layer"): nested ids = capture layers - 1. Its DeepSeek-V2/V3 model
-  (models/deepseek_v2.py) adds the 1 only when the first id is 1 and otherwise captures at the ids themselves,
-  so a DeepSeek target is served right only when the first capture layer is 2.
+  sglang captures the INPUT to the layer"): nested ids = capture layers - 1. The same holds for Qwen3(-MoE) and
+  GLM-4.5/4.6 (models/glm4_moe.py). Its DeepSeek-V2/V3 model (models/deepseek_v2.py, and the classes built on it:
+  GLM-5 `GlmMoeDsaForCausalLM`, Mistral-Large-3, Kimi-K2.5; models/glm4_moe_lite.py has the same code) adds the 1
+  only when the first id is 1 and otherwise captures at the ids themselves. So for those targets the export
+  writes capture - 1 when the first capture layer is 2 and the capture layers themselves when it is 3 or more;
+  a first capture layer of 1 cannot be expressed (ids [0, ..] capture the embeddings, ids [1, ..] layer 2).
 - vLLM reads a top-level `eagle_aux_hidden_state_layer_ids` first in both runners (v1/worker/gpu_model_runner.py
   `_get_eagle3_aux_layers_from_config`, v1/worker/gpu/spec_decode/eagle/eagle3_utils.py) and its targets capture
   at the input of that layer (models/llama.py: `if idx in self.aux_hidden_state_layers`): top-level ids = capture
@@ -20,11 +23,18 @@ entering decoder layer i. Read in the engines' sources (sglang 0.5.x, vllm 0.33 
 
 from __future__ import annotations
 
-DEEPSEEK_MODEL_TYPES = ("deepseek_v2", "deepseek_v3")
+# SGLang target classes (config.json `architectures`) whose set_eagle3_layers_to_capture adds 1 to the ids only
+# when the first id is 1 (sglang 0.5.23 models/deepseek_v2.py, glm4_moe_lite.py and their subclasses)
+SGLANG_FIRST_ID_RULE = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM",
+                        "GlmMoeDsaForCausalLM", "Glm4MoeLiteForCausalLM", "MistralLarge3ForCausalLM",
+                        "KimiK25ForConditionalGeneration")
 
 
-def sglang_layer_ids(capture_layers: list[int]) -> list[int]:
-    """SGLang's `eagle_config.eagle_aux_hidden_state_layer_ids`: the decoder layers whose outputs are captured."""
+def sglang_layer_ids(capture_layers: list[int], architecture: str = "") -> list[int]:
+    """SGLang's `eagle_config.eagle_aux_hidden_state_layer_ids` that make `architecture` capture exactly
+    `capture_layers` (where it can: serving_problems says when not)."""
+    if architecture in SGLANG_FIRST_ID_RULE and capture_layers[0] != 2:
+        return [int(i) for i in capture_layers]
     return [int(i) - 1 for i in capture_layers]
 
 
@@ -33,10 +43,11 @@ def vllm_layer_ids(capture_layers: list[int]) -> list[int]:
     return [int(i) for i in capture_layers]
 
 
-def serving_problems(capture_layers: list[int], target_model_type: str) -> list[str]:
+def serving_problems(capture_layers: list[int], architecture: str) -> list[str]:
     """Engines that would feed the drafter other layers than it was trained on, with what to do about it."""
-    if target_model_type in DEEPSEEK_MODEL_TYPES and capture_layers[0] != 2:
-        return [f"SGLang serves a {target_model_type} target with capture layers {sglang_layer_ids(capture_layers)} "
-                f"instead of {list(capture_layers)} (its DeepSeek model adds 1 to the layer ids only when the first "
-                f"id is 1): serve with vLLM, or train with capture layers that start at 2"]
+    if architecture in SGLANG_FIRST_ID_RULE and capture_layers[0] == 1:
+        return [f"SGLang cannot serve a {architecture} target with capture layers {list(capture_layers)}: its model "
+                f"adds 1 to the layer ids only when the first id is 1, so a first capture layer of 1 (the output of "
+                f"decoder layer 0) cannot be expressed; serve with vLLM, or train with capture layers that start "
+                f"at 2 or later"]
     return []

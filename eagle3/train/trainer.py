@@ -34,7 +34,11 @@ from eagle3.models import model_info
 from eagle3.train.batches import BatchOrder, collate, count_truncation, to_device
 from eagle3.train.checkpoint import Checkpoints
 from eagle3.train.config import TrainConfig
+from eagle3.train.distributed import (Ranks, check_backend, full_state, grad_sync, load_full_state, local_value,
+                                      masked_counts, wrap)
+from eagle3.faults import maybe_kill_rank
 from eagle3.train.model import DrafterConfig, Eagle3Drafter
+from eagle3.train.tracking import MetricsTracker, tracking_params
 from eagle3.train.vocab import VOCAB_FILE, count_tokens, load_or_build_vocab
 
 log = logging.getLogger(__name__)
@@ -76,10 +80,12 @@ def shift_left(x: torch.Tensor, n: int, length: int) -> torch.Tensor:
 
 
 def ttt_loss(drafter: Eagle3Drafter, batch: dict, embed: torch.Tensor, target_head: torch.Tensor,
-             ttt_steps: int, step_decay: float) -> tuple[torch.Tensor, torch.Tensor]:
+             ttt_steps: int, step_decay: float, counts: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Weighted TTT loss and per-step stats [K, 3] = (masked loss sum, correct top-1, masked count).
 
     embed: the target's embedding [V, H]; target_head: the target's lm_head rows of the draft vocab [Vd, H].
+    counts [K]: the masked slots of each step over the whole micro-batch when this batch is one rank's share of
+    it (eagle3.train.distributed); None = this batch's own counts. `drafter` may be its DDP wrapper: it is called.
     """
     ids, mask, aux, final = batch["input_ids"], batch["loss_mask"], batch["aux"], batch["final"]
     B, T = ids.shape
@@ -89,7 +95,7 @@ def ttt_loss(drafter: Eagle3Drafter, batch: dict, embed: torch.Tensor, target_he
         # teacher for slot t at step k lives in final[t+1+k]; compute once for all positions
         teacher = torch.softmax((final[:, 1:] @ target_head.T.to(final.dtype)).float(), dim=-1)  # [B, T-1, Vd]
     embeds = [F.embedding(shift_left(ids, 1 + k, S), embed) for k in range(ttt_steps)]
-    all_logits = drafter.ttt_forward(aux[:, :S], embeds, positions)
+    all_logits = drafter(aux[:, :S], embeds, positions)  # ttt_forward, through DDP's forward when wrapped
     total = torch.zeros((), device=ids.device)
     stats = []  # per step: (masked loss sum, correct, count); tensors, so the GPU is synced once per step
     for k, logits in enumerate(all_logits):
@@ -97,7 +103,7 @@ def ttt_loss(drafter: Eagle3Drafter, batch: dict, embed: torch.Tensor, target_he
         m = shift_left(mask, 2 + k, S).float()  # mask of the PREDICTED token t+2+k
         ce = -(p * torch.log_softmax(logits.float(), dim=-1)).sum(-1)
         count = m.sum()
-        loss_k = (ce * m).sum() / count.clamp(min=1)
+        loss_k = (ce * m).sum() / (count if counts is None else counts[k]).clamp(min=1)
         total = total + (step_decay ** k) * loss_k
         correct = ((logits.argmax(-1) == p.argmax(-1)).float() * m).sum()
         stats.append(torch.stack([(ce * m).sum().detach(), correct, count]))
@@ -173,13 +179,17 @@ def loss_function(compile_on_gpu: bool):
 
 
 def train(cfg: TrainConfig) -> dict:
-    """Train (or resume) and return a summary; the export and report are written by train_phase."""
+    """Train (or resume) and return a summary; the export and report are written by train_phase. With
+    num_gpus > 1 the loop runs in that many ranks (eagle3.train.distributed) and this process waits for them."""
+    if cfg.num_gpus > 1 and not Ranks.current().distributed:
+        return train_on_ranks(cfg)
     out = Path(cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)
+    ranks = Ranks.current()
     info = model_info(cfg.model_path)
     reader = open_data(cfg, info)
     truncation = count_truncation(reader, cfg.max_seq_len)
-    device = pick_device(cfg.device)
+    device = ranks.device(pick_device(cfg.device))
 
     vocab = load_or_build_vocab(out / VOCAB_FILE, lambda: count_masked_tokens(reader, info.vocab_size),
                                 cfg.draft_vocab_size, info.vocab_size)
@@ -187,13 +197,11 @@ def train(cfg: TrainConfig) -> dict:
     embed = embed_w.float().to(device)
     target_head = head_w[vocab.draft_ids].float().to(device)
 
-    torch.manual_seed(cfg.seed)
-    drafter = Eagle3Drafter(DrafterConfig.from_target(info, vocab.size, len(reader.capture_layers)))
-    if cfg.init_lm_head_from_target:
-        drafter.lm_head.weight.data.copy_(target_head.cpu())  # start from the target's own readout
-    drafter.to(device)
+    drafter = new_drafter(cfg, info, vocab, len(reader.capture_layers), target_head).to(device)
+    fsdp = ranks.distributed and cfg.parallel == "fsdp"
+    model = wrap(drafter, ranks, device, "fsdp") if fsdp else drafter  # FSDP2 shards before the optimizer sees it
     opt = torch.optim.AdamW(drafter.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay,
-                            fused=device.type == "cuda")
+                            fused=device.type == "cuda" and not fsdp)
     order = BatchOrder(reader, cfg.batch_size, cfg.seed)
     steps_per_epoch = order.batches_per_epoch // cfg.grad_accum
     if steps_per_epoch == 0:
@@ -202,15 +210,19 @@ def train(cfg: TrainConfig) -> dict:
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda_factory(total_steps, cfg.warmup_ratio, cfg.min_lr_ratio))
     checkpoints = Checkpoints(out / "checkpoints", cfg.fingerprint(), cfg.keep_checkpoints)
     metrics_path = out / "metrics.jsonl"
-    pos = checkpoints.restore(drafter, opt, sched, metrics_path)
+    pos = checkpoints.restore(drafter, opt, sched, metrics_path if ranks.main else None,
+                              load_states=load_full_state if fsdp else None)
+    if not fsdp:
+        model = wrap(drafter, ranks, device)  # after the restore: DDP starts every rank from rank 0's weights
 
     on_gpu = device.type == "cuda"
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if on_gpu else torch.autocast("cpu", enabled=False)
     loss_fn, compiled = loss_function(cfg.compile and on_gpu)
-    # Compiled, every micro-batch has batch_size rows and a power-of-two bucketed length: static shapes, so a
-    # few graphs are built once. Eager, batches stay as long as their longest sample (chunks hold samples of
-    # similar length, so that is little padding).
-    pad_multiple, batch_rows = (cfg.pad_multiple, cfg.batch_size) if compiled else (1, 0)
+    # Compiled, every micro-batch has batch_size rows (a rank's share: ceil(batch_size / N)) and a power-of-two
+    # bucketed length: static shapes, so a few graphs are built once. Eager, batches stay as long as their longest
+    # sample (chunks hold samples of similar length, so that is little padding).
+    share_rows = -(-cfg.batch_size // ranks.world)
+    pad_multiple, batch_rows = (cfg.pad_multiple, share_rows) if compiled else (1, 0)
     t_start, tokens_done = time.time(), 0
 
     def micro_batches():
@@ -221,49 +233,111 @@ def train(cfg: TrainConfig) -> dict:
             pos.epoch, pos.batch_pos = pos.epoch + 1, 0
 
     stream = micro_batches()
-    drafter.train()
+    model.train()
     start_step, last_log = pos.step, time.time()
-    with open(metrics_path, "a") as mf:
+    metrics_file = open(metrics_path, "a") if ranks.main else None  # rank 0 records, the others only train
+    tracker = MetricsTracker(out, pos.step, mlflow_uri=cfg.mlflow_tracking_uri, mlflow_experiment=cfg.mlflow_experiment,
+                             params=tracking_params(cfg)) if ranks.main else None
+    ok = False
+    try:
         while pos.step < total_steps:
             opt.zero_grad(set_to_none=True)
             sums = torch.zeros(cfg.ttt_steps, 3, dtype=torch.float64)
             loss_total = 0.0
-            for _ in range(cfg.grad_accum):
+            for micro in range(cfg.grad_accum):
                 samples = next(stream)
-                batch = to_device(collate(samples, cfg.max_seq_len, pad_multiple, batch_rows), device)
-                with autocast:
-                    loss, stats = loss_fn(drafter, batch, embed, target_head, cfg.ttt_steps, cfg.step_decay)
-                (loss / cfg.grad_accum).backward()
+                counts = masked_counts(samples, cfg.max_seq_len, cfg.ttt_steps).to(device) if ranks.distributed \
+                    else None
+                batch = to_device(collate(ranks.share(samples), cfg.max_seq_len, pad_multiple, batch_rows), device)
+                # DDP all-reduces gradients at the last micro-batch of a step only
+                with grad_sync(model, ranks, last=micro == cfg.grad_accum - 1):
+                    with autocast:
+                        loss, stats = loss_fn(model, batch, embed, target_head, cfg.ttt_steps, cfg.step_decay,
+                                              counts)
+                    # DDP averages the ranks' gradients: N x each rank's part gives the gradient of their sum
+                    (loss * ranks.world / cfg.grad_accum).backward()
                 loss_total += float(loss.detach()) / cfg.grad_accum
                 tokens_done += sum(min(len(s["input_ids"]), cfg.max_seq_len) for s in samples)  # real tokens only
                 sums += stats.double().cpu()
-            grad_norm = torch.nn.utils.clip_grad_norm_(drafter.parameters(), cfg.grad_clip)
+            if ranks.distributed:  # the metrics of the whole step: every rank's part summed
+                both = torch.cat([sums.flatten(), torch.tensor([loss_total], dtype=torch.float64)])
+                both = ranks.sum(both.to(device)).cpu()  # nccl reduces on the GPU
+                sums, loss_total = both[:-1].view_as(sums), float(both[-1])
+            grad_norm = local_value(torch.nn.utils.clip_grad_norm_(drafter.parameters(), cfg.grad_clip))
             lr = sched.get_last_lr()[0]
             opt.step()
             sched.step()
             pos.step += 1
             step = pos.step
-            if step % cfg.log_every == 0 or step == total_steps:
+            maybe_kill_rank(ranks.rank, step)
+            if metrics_file and (step % cfg.log_every == 0 or step == total_steps):
                 rec = {
                     "step": step, "epoch": pos.epoch, "lr": lr, "loss": loss_total, "grad_norm": float(grad_norm),
                     "loss_k": (sums[:, 0] / sums[:, 2].clamp(min=1)).tolist(),
                     "acc_k": (sums[:, 1] / sums[:, 2].clamp(min=1)).tolist(),
                     "tokens_per_s": tokens_done / max(1e-9, time.time() - t_start),
                 }
-                mf.write(json.dumps(rec) + "\n")
-                mf.flush()
+                metrics_file.write(json.dumps(rec) + "\n")
+                metrics_file.flush()
+                tracker.log(rec)
             now = time.time()
-            if now - last_log >= cfg.log_every_s or step == total_steps:  # the task log: progress, rate, ETA
+            if ranks.main and (now - last_log >= cfg.log_every_s or step == total_steps):  # progress, rate, ETA
                 last_log = now
                 rate = (step - start_step) / max(1e-9, now - t_start)
                 log.info("step %d/%d  loss %.4f  acc@k0 %.3f  %.0f tok/s  ETA %.0f s", step, total_steps, loss_total,
                          float(sums[0, 1] / sums[0, 2].clamp(min=1)), tokens_done / max(1e-9, now - t_start),
                          (total_steps - step) / max(rate, 1e-9))
             if step % cfg.checkpoint_every == 0 or step == total_steps:
-                checkpoints.save(pos, drafter, opt, sched)
-    return {"drafter": drafter.cpu().eval(), "vocab": vocab, "info": info, "capture_layers": reader.capture_layers,
+                states = full_state(drafter, opt) if fsdp else None  # a collective: every rank gathers
+                if ranks.main:
+                    checkpoints.save(pos, drafter, opt, sched, states)
+        ok = True
+    finally:
+        if metrics_file:
+            metrics_file.close()
+        if tracker:
+            tracker.close(ok)  # an MLflow run ends FAILED on an exception
+    return {"drafter": None if ranks.distributed else drafter.cpu().eval(), "vocab": vocab, "info": info, "capture_layers": reader.capture_layers,
             "steps": pos.step, "total_steps": total_steps, "tokens": reader.num_tokens, "samples": reader.num_samples,
             "truncation": truncation.to_dict(), "seconds": time.time() - t_start}
+
+
+def new_drafter(cfg: TrainConfig, info, vocab, num_aux_layers: int, target_head: torch.Tensor) -> Eagle3Drafter:
+    """The seeded initial drafter (its lm_head from the target's rows when asked)."""
+    torch.manual_seed(cfg.seed)
+    drafter = Eagle3Drafter(DrafterConfig.from_target(info, vocab.size, num_aux_layers))
+    if cfg.init_lm_head_from_target:
+        drafter.lm_head.weight.data.copy_(target_head.cpu())  # start from the target's own readout
+    return drafter
+
+
+def train_rank(cfg: TrainConfig) -> dict:
+    """One rank of a num_gpus > 1 run (started by run_distributed): the training loop, a small summary back."""
+    res = train(cfg)
+    return {k: v for k, v in res.items() if k not in ("drafter", "vocab", "info")}
+
+
+def train_on_ranks(cfg: TrainConfig) -> dict:
+    """Run the loop in cfg.num_gpus ranks and return train()'s summary, the drafter read from the final checkpoint
+    (rank 0 writes one at the last step). The vocabulary is built here first, so the ranks only read it."""
+    from eagle3.launch import run_distributed
+
+    out = Path(cfg.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    info = model_info(cfg.model_path)
+    reader = open_data(cfg, info)
+    vocab = load_or_build_vocab(out / VOCAB_FILE, lambda: count_masked_tokens(reader, info.vocab_size),
+                                cfg.draft_vocab_size, info.vocab_size)
+    backend = check_backend(pick_device(cfg.device), cfg.num_gpus)
+    summary = run_distributed("eagle3.train.trainer:train_rank", (cfg,), nprocs=cfg.num_gpus, backend=backend,
+                              timeout_s=cfg.dist_timeout_s, name="eagle3-train")[0]
+    checkpoints = Checkpoints(out / "checkpoints", cfg.fingerprint(), cfg.keep_checkpoints)
+    drafter = Eagle3Drafter(DrafterConfig.from_target(info, vocab.size, len(reader.capture_layers)))
+    step = checkpoints.load_model(drafter)
+    if step != summary["steps"]:
+        raise PipelineError(f"{checkpoints.folder}: the last checkpoint is at step {step}, the ranks ended at step "
+                            f"{summary['steps']}")
+    return {**summary, "drafter": drafter.eval(), "vocab": vocab, "info": info}
 
 
 def read_metrics(path: str | Path) -> list[dict]:

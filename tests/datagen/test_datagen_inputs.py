@@ -188,7 +188,8 @@ def test_datagen_config_checks_and_form_params():
 
     base = {"output_dir": "/o", "tokenizer_path": "/m"}
     cfg = build(DatagenConfig, base, "datagen")
-    assert cfg.mode == "local" and cfg.client_config().concurrency == 256 and cfg.client_config().model == "default"
+    assert cfg.mode == "local" and cfg.client_config().concurrency == 256 and cfg.client_config().model == "auto"
+    assert (cfg.server_command, cfg.gguf, cfg.served_model_name) == ("auto",) * 3  # resolved by preflight
     with pytest.raises(ConfigError, match=r"trigger-form param datagen_client.*unknown param\(s\) \['concurency'\]"):
         build(DatagenConfig, {**base, "client": {"concurency": 4}}, "datagen")
     with pytest.raises(ConfigError, match=r"'model' is set by served_model_name"):
