@@ -160,7 +160,7 @@ def main() -> None:
     if args.smoke:
         args.prompts, args.part_size, args.new_tokens, args.gen_batch, args.max_steps = 12, 6, 12, 12, 3
         args.eval_new_tokens, args.eval_conversations, args.ks, args.shards, args.batch_size = 8, 1, [2, 3], 1, 4
-        args.epochs, args.draft_vocab, args.deadline_s = 1, 2000, max(args.deadline_s, 3600)
+        args.epochs, args.draft_vocab, args.deadline_s, args.max_prompt_tokens = 1, 2000, max(args.deadline_s, 3600), 96
     work, out = Path(args.work), Path(args.out)
     work.mkdir(parents=True, exist_ok=True)
     out.mkdir(parents=True, exist_ok=True)
