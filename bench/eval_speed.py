@@ -73,7 +73,8 @@ def run_batched(dec: BatchedDecoder, turns, max_new: int, k: int) -> dict:
     bad, ties = check_summary(checks)
     wall = time.time() - t
     tokens = sum(len(a.tokens) for a in answers)
-    return {"turns": len(turns), "new_tokens": tokens, "speculate_s": round(spec_s, 2), "check_s": round(wall - spec_s, 2),
+    return {"turns": len(turns), "new_tokens": tokens, "speculate_s": round(spec_s, 2),
+            "check_s": round(wall - spec_s, 2),
             "wall_s": round(wall, 2), "tok_per_s": round(tokens / wall, 1),
             "tau": tau_of([a.accepted_per_round for a in answers])["tau"], "not_greedy": len(bad), "tie_tokens": ties,
             "identical_to_reference": sum(a.tokens == p.greedy for a, p in zip(answers, turns)),

@@ -105,7 +105,8 @@ def generate(args, prompts: list[str], model_path: Path, root: Path, temperature
                 f.write(json.dumps({"sample_id": f"{root.name}-{i + j}", "dataset": name, **s}) + "\n")
         log.info("%s/%s: %d answers, %.0f answer tok/s", root.name, name, len(samples),
                  sum(sum(s["loss_mask"]) for s in samples) / (time.time() - t))
-    return sum(min(args.part_size, len(prompts) - i) for name, i in parts if (root / name / "tokenized.jsonl").is_file())
+    done = [i for name, i in parts if (root / name / "tokenized.jsonl").is_file()]
+    return sum(min(args.part_size, len(prompts) - i) for i in done)
 
 
 def prepare_data(args, data: DataVariant, work: Path, model_path: Path, info, clock: Clock, parts: int):
@@ -159,7 +160,7 @@ def main() -> None:
     if args.smoke:
         args.prompts, args.part_size, args.new_tokens, args.gen_batch, args.max_steps = 12, 6, 12, 12, 3
         args.eval_new_tokens, args.eval_conversations, args.ks, args.shards, args.batch_size = 8, 1, [2, 3], 1, 4
-        args.epochs, args.draft_vocab, args.deadline_s = 1, 2000, max(args.deadline_s, 3600)
+        args.epochs, args.draft_vocab, args.deadline_s, args.max_prompt_tokens = 1, 2000, max(args.deadline_s, 3600), 96
     work, out = Path(args.work), Path(args.out)
     work.mkdir(parents=True, exist_ok=True)
     out.mkdir(parents=True, exist_ok=True)
@@ -204,7 +205,7 @@ def main() -> None:
                                 args.temperature, clock, device)
                 parts = min(parts, done // args.part_size + (done % args.part_size > 0))
                 if parts < greedy_parts:
-                    raise PipelineError(f"{v.data.answers} answers: {parts} of {greedy_parts} parts before the deadline")
+                    raise PipelineError(f"{v.data.answers} answers: {parts} of {greedy_parts} parts by the deadline")
             if v.data.key not in shards_of:
                 shards_of[v.data.key] = prepare_data(args, v.data, work, model_path, info, clock, parts)
             shard_dirs, merged = shards_of[v.data.key]
@@ -217,7 +218,8 @@ def main() -> None:
             train_s = time.time() - t
             t = time.time()
             failure = None
-            ecfg = EvalConfig(export_dir=train["export_dir"], model_path=str(model_path), output_dir=str(work / f"eval-{v.name}"),
+            ecfg = EvalConfig(export_dir=train["export_dir"], model_path=str(model_path),
+                              output_dir=str(work / f"eval-{v.name}"),
                               prompts_file=args.eval_prompts, ks=v.ks, max_new_tokens=args.eval_new_tokens,
                               max_prompts=args.eval_conversations, random_floor=v.name == "main", floor_max_prompts=8)
             try:

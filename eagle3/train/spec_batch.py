@@ -195,14 +195,17 @@ def teacher_forced_check(target, prompts: list[list[int]], answers: list[list[in
     kept only for the answer positions). A token whose logit is below the maximum by at most `tie_tol` passes as
     a tie (counted in the result as {"ties": n} only when the answer otherwise passes: see `check_summary`)."""
     device, pad = target.device, eos_id if eos_id is not None else 0
-    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]) + len(answers[i]))
+
+    def length(i: int) -> int:
+        return len(prompts[i]) + len(answers[i])
+
+    order = sorted(range(len(prompts)), key=length)
     result: list = [None] * len(prompts)
     i = 0
     while i < len(order):
-        longest = len(prompts[order[i]]) + len(answers[order[i]])
-        j = i + 1
-        while j < len(order) and (j - i + 1) * max(longest, len(prompts[order[j]]) + len(answers[order[j]])) <= token_budget:
-            longest = max(longest, len(prompts[order[j]]) + len(answers[order[j]]))
+        j, longest = i + 1, length(order[i])
+        while j < len(order) and (j - i + 1) * max(longest, length(order[j])) <= token_budget:
+            longest = max(longest, length(order[j]))
             j += 1
         batch = order[i:j]
         i = j
