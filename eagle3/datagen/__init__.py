@@ -10,10 +10,17 @@
     run.py       one dataset end to end -> tokenized.jsonl, report.json, manifest.json
 """
 
-from eagle3.datagen.client import Endpoint
-from eagle3.datagen.run import FailureBudgetExceeded, run_datagen, run_dataset
-from eagle3.datagen.server import DEFAULT_SERVER_COMMAND, LocalServer
-from eagle3.datagen.spec import ClientConfig, DatagenConfig, DatasetSpec
+# Loaded on first use: reading prompt files (eagle3.datagen.prompts) must not need the HTTP client's packages
+# (openai, aiohttp), which a GPU box that only extracts or evaluates may lack.
+_EXPORTS = {"Endpoint": "client", "FailureBudgetExceeded": "run", "run_datagen": "run", "run_dataset": "run",
+            "DEFAULT_SERVER_COMMAND": "server", "LocalServer": "server", "ClientConfig": "spec",
+            "DatagenConfig": "spec", "DatasetSpec": "spec"}
+__all__ = sorted(_EXPORTS)
 
-__all__ = ["ClientConfig", "DatagenConfig", "DatasetSpec", "Endpoint", "FailureBudgetExceeded", "LocalServer",
-           "DEFAULT_SERVER_COMMAND", "run_datagen", "run_dataset"]
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'eagle3.datagen' has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(f"eagle3.datagen.{_EXPORTS[name]}"), name)
