@@ -17,6 +17,9 @@ mv "$TMP/gguf.part00" "$DEST/p1/" && mv "$TMP/gguf.part01" "$DEST/p2/"
 sha256sum "$G" | cut -d' ' -f1 > "$DEST/p2/gguf.sha256"
 python -m pip download -q --no-deps "gguf==$(python -c 'import importlib.metadata as m; print(m.version("gguf"))')" \
   -d "$DEST/p1"
+# the trainer writes TensorBoard event files through tensorboardX, which the device image lacks
+python -m pip download -q --no-deps "tensorboardX==$(python -c 'import importlib.metadata as m; print(m.version("tensorboardX"))')" \
+  -d "$DEST/p2"
 python -m eagle3 prompts mtbench "$DEST/p1/mtbench.jsonl" > "$TMP/mtbench.report.json"
 python -m eagle3 prompts sharegpt "$TMP/sharegpt-full.jsonl" --limit "$LIMIT" > "$DEST/p2/sharegpt.report.json"
 # first human turn (and a leading system turn) only: the quality run asks single-turn prompts, and it halves the bytes

@@ -10,7 +10,7 @@ S=/root/stash
 [ -f $S/gguf.part00 ] || { echo "STASH MISSING: this machine is not the one call 1 used"; exit 3; }
 cat $S/gguf.part00 .gpu/p2/gguf.part01 > /root/smollm2.gguf
 echo "$(cat .gpu/p2/gguf.sha256)  /root/smollm2.gguf" | sha256sum -c - || exit 4
-python3 -m pip install -q --no-index --no-deps --no-compile --target /root/site $S/gguf-*.whl || exit 5
+python3 -m pip install -q --no-index --no-deps --no-compile --target /root/site $S/gguf-*.whl .gpu/p2/tensorboard*-*.whl || exit 5
 cp .gpu/p2/sharegpt.jsonl $S/
 rm -rf /root/repo && mkdir -p /root/repo && cp -r bench eagle3 /root/repo/  # frozen copy for the resuming calls
 cd /root/repo
