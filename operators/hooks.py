@@ -22,6 +22,12 @@ from eagle3.datagen.redact import redact, register_secret
 from eagle3.errors import ConfigError
 
 
+def _http_url(conn: Connection) -> str:
+    """The URL of a Connection given as host (+ port, + schema http/https)."""
+    scheme = conn.schema if conn.schema in ("http", "https") else "http"
+    return f"{scheme}://{conn.host.strip()}{f':{conn.port}' if conn.port else ''}"
+
+
 class OpenAICompatibleHook(BaseHook):
     """An OpenAI-compatible endpoint (OpenAI, OpenRouter, vLLM, SGLang, llama.cpp) from a Connection.
 
@@ -70,8 +76,7 @@ class OpenAICompatibleHook(BaseHook):
         if host.startswith(("http://", "https://")):
             return host
         if host:
-            scheme = conn.schema if conn.schema in ("http", "https") else "http"
-            return f"{scheme}://{host}{f':{conn.port}' if conn.port else ''}/v1"
+            return _http_url(conn) + "/v1"
         raise ConfigError(f"connection {self.conn_id!r} has no host and no extra.base_url: set the endpoint's "
                           f"base URL")
 
@@ -145,8 +150,7 @@ class MLflowTrackingHook(BaseHook):
         if "://" in host:
             return host
         if host:
-            scheme = conn.schema if conn.schema in ("http", "https") else "http"
-            return f"{scheme}://{host}{f':{conn.port}' if conn.port else ''}"
+            return _http_url(conn)
         raise ConfigError(f"connection {self.conn_id!r} has no host and no extra.tracking_uri: set the MLflow "
                           f"tracking URI")
 
