@@ -236,8 +236,10 @@ def train(cfg: TrainConfig) -> dict:
     model.train()
     start_step, last_log = pos.step, time.time()
     metrics_file = open(metrics_path, "a") if ranks.main else None  # rank 0 records, the others only train
-    tracker = MetricsTracker(out, pos.step, mlflow_uri=cfg.mlflow_tracking_uri, mlflow_experiment=cfg.mlflow_experiment,
-                             params=tracking_params(cfg)) if ranks.main else None
+    tracker = None
+    if ranks.main:
+        tracker = MetricsTracker(out, pos.step, mlflow_uri=cfg.mlflow_tracking_uri,
+                                 mlflow_experiment=cfg.mlflow_experiment, params=tracking_params(cfg))
     ok = False
     try:
         while pos.step < total_steps:
