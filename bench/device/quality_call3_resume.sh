@@ -1,7 +1,7 @@
 # Device call 3+ of the GPU quality run (no carry; the same warm machine as calls 1-2): the speed comparison of the
 # evaluators on the main run's drafter (bench/eval_speed.py, into $OUT/eval_speed), then the ablation rows the
 # earlier call left, under --deadline-s (default 540 s less the speed run). Extra arguments go to the quality script.
-# SEQ_TURNS (default 4): turns today's one-prompt evaluator runs per k (~40 s a 512-token turn with its greedy check).
+# SEQ_TURNS (default 4): turns today's one-prompt evaluator runs per k (~10 s a 512-token turn with its greedy check, from the 121 s for 20 x 320 tokens of the issue).
 set -u
 S=/root/stash
 [ -d /root/q/train-main/export ] || { echo "NO MAIN RUN: call 2 did not finish its main row on this machine"; exit 3; }
