@@ -195,6 +195,15 @@ def _norm(text: str) -> str:
     return " ".join(text.casefold().split())
 
 
+def mtbench_turns(obj) -> list[str]:
+    """The turns of an MT-bench question line ({"question_id", "category", "turns"}); BadLine unless they are a
+    non-empty list of non-empty strings."""
+    turns = obj.get("turns") if isinstance(obj, dict) else None
+    if not isinstance(turns, list) or not turns or not all(isinstance(t, str) and t.strip() for t in turns):
+        raise BadLine("an MT-bench question needs 'turns', a list of non-empty strings")
+    return turns
+
+
 def read_mtbench(path: str | Path | None = None) -> list[dict]:
     path = Path(path) if path else mtbench_source()
     if not path.is_file():
@@ -205,11 +214,11 @@ def read_mtbench(path: str | Path | None = None) -> list[dict]:
             continue
         try:
             q = json.loads(raw)
+            mtbench_turns(q)
         except json.JSONDecodeError as e:
             raise ConfigError(f"{path}:{n}: invalid JSON ({e})") from None
-        turns = q.get("turns") if isinstance(q, dict) else None
-        if not isinstance(turns, list) or not turns or not all(isinstance(t, str) and t.strip() for t in turns):
-            raise ConfigError(f"{path}:{n}: an MT-bench question needs 'turns', a list of non-empty strings")
+        except BadLine as e:
+            raise ConfigError(f"{path}:{n}: {e}") from None
         out.append(q)
     if not out:
         raise ConfigError(f"{path} holds no MT-bench question")

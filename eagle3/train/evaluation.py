@@ -64,10 +64,9 @@ def read_conversations(path: str | Path) -> list[EvalConversation]:
     any prompt-file shape the datagen reads (eagle3.datagen.prompts; assistant turns there are ignored: the
     target answers every user turn itself). `mtbench` = the MT-bench file of the public-data extra."""
     from eagle3.datagen.prompts import BadLine, parse_prompt_line
+    from eagle3.datagen.public_prompts import mtbench_source, mtbench_turns
 
     if str(path) == MTBENCH:
-        from eagle3.datagen.public_prompts import mtbench_source
-
         path = mtbench_source()
     path = Path(path)
     if not path.is_file():
@@ -79,11 +78,7 @@ def read_conversations(path: str | Path) -> list[EvalConversation]:
         try:
             obj = json.loads(line)
             if isinstance(obj, dict) and "turns" in obj:
-                turns = obj["turns"]
-                if not isinstance(turns, list) or not turns or not all(isinstance(t, str) and t.strip()
-                                                                          for t in turns):
-                    raise BadLine("'turns' must be a non-empty list of non-empty strings")
-                system = None
+                turns, system = mtbench_turns(obj), None
             else:
                 system, turns = parse_prompt_line(obj)
         except (json.JSONDecodeError, BadLine) as e:
