@@ -67,6 +67,14 @@ def check_gpus(nprocs: int, param: str) -> None:
                           f"{param} or give the task more GPUs (docs/operations.md: the gpu pool and worker pinning)")
 
 
+def backend_for(device, nprocs: int, param: str) -> str:
+    """nccl on GPUs (one visible GPU per rank: a clear error naming `param` first), gloo on the CPU."""
+    if not str(device).startswith("cuda"):
+        return "gloo"
+    check_gpus(nprocs, param)
+    return "nccl"
+
+
 def resolve(fn_path: str):
     module, _, name = fn_path.partition(":")
     if not module or not name:

@@ -26,7 +26,7 @@ from eagle3.errors import ConfigError
 from eagle3.extract.backend import HFBackend
 from eagle3.extract.config import ExtractConfig
 from eagle3.fit import check_tp_divides, load_config
-from eagle3.launch import check_gpus, run_distributed
+from eagle3.launch import backend_for, run_distributed
 from eagle3.models import model_info, resolve_capture_layers
 
 log = logging.getLogger(__name__)
@@ -118,11 +118,9 @@ def check_tp(cfg: ExtractConfig) -> ExtractConfig:
     if cfg.compile == "auto":
         cfg = dataclasses.replace(cfg, compile=False)
     cfg = resolve_for_device(cfg)
-    if cfg.device.startswith("cuda"):
-        if ":" in cfg.device:
-            raise ConfigError(f"{PARAM}={cfg.tp_size}: device={cfg.device!r} names one GPU; use device='cuda' "
-                              f"(rank r runs on GPU r of the task's CUDA_VISIBLE_DEVICES)")
-        check_gpus(cfg.tp_size, PARAM)
+    if cfg.device.startswith("cuda:"):
+        raise ConfigError(f"{PARAM}={cfg.tp_size}: device={cfg.device!r} names one GPU; use device='cuda' "
+                          f"(rank r runs on GPU r of the task's CUDA_VISIBLE_DEVICES)")
     layers = resolve_capture_layers(cfg.capture_layers, model_info(cfg.model_path))
     return dataclasses.replace(cfg, capture_layers=layers)
 
@@ -131,11 +129,11 @@ def extract_shard_tp(cfg: ExtractConfig, spec) -> dict:
     from eagle3.extract.extractor import ShardExtractor
 
     cfg = check_tp(cfg)
+    backend = backend_for(cfg.device, cfg.tp_size, PARAM)  # nccl needs one GPU per rank: checked here
     spec_dict = spec if isinstance(spec, dict) else spec.to_dict()
     done = ShardExtractor(cfg, spec_dict).completed_summary()  # a complete shard starts no rank
     if done is not None:
         return done
-    backend = "nccl" if cfg.device.startswith("cuda") else "gloo"
     log.info("shard %s: extracting in %d %s ranks", spec_dict.get("shard"), cfg.tp_size, backend)
     results = run_distributed("eagle3.extract.tp:extract_shard_rank", (cfg, spec_dict), nprocs=cfg.tp_size,
                               backend=backend, timeout_s=cfg.rank_timeout_s, name="eagle3-extract")

@@ -140,13 +140,3 @@ def load_full_state(model: torch.nn.Module, optimizer, model_state: dict, optimi
            "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in optimizer_state["param_groups"]]}
     set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=osd,
                    options=StateDictOptions(full_state_dict=True))
-
-
-def check_backend(device: torch.device, ranks: int, param: str = "train_num_gpus") -> str:
-    """nccl on GPUs, gloo on the CPU; a CUDA run needs as many visible GPUs as ranks (a clear error first)."""
-    if device.type != "cuda":
-        return "gloo"
-    from eagle3.launch import check_gpus
-
-    check_gpus(ranks, param)
-    return "nccl"

@@ -159,11 +159,10 @@ def speculate_rank(cfg: EvalConfig, convs: list) -> dict | None:
 def speculate_tp(cfg: EvalConfig, convs: list, device: torch.device) -> dict:
     """speculate() with the target in cfg.tp_size ranks (nccl on GPUs, gloo on the CPU); the checks first."""
     from eagle3.fit import check_tp_divides, load_config
-    from eagle3.launch import run_distributed
-    from eagle3.train.distributed import check_backend
+    from eagle3.launch import backend_for, run_distributed
 
     check_tp_divides(load_config(cfg.model_path), cfg.tp_size, "extract_tp_size", where=str(cfg.model_path))
-    backend = check_backend(device, cfg.tp_size, "extract_tp_size")
+    backend = backend_for(device, cfg.tp_size, "extract_tp_size")
     return run_distributed("eagle3.train.run:speculate_rank", (cfg, convs), nprocs=cfg.tp_size, backend=backend,
                            timeout_s=cfg.rank_timeout_s, name="eagle3-evaluate")[0]
 

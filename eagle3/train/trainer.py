@@ -34,7 +34,7 @@ from eagle3.models import model_info
 from eagle3.train.batches import BatchOrder, collate, count_truncation, to_device
 from eagle3.train.checkpoint import Checkpoints
 from eagle3.train.config import TrainConfig
-from eagle3.train.distributed import (Ranks, check_backend, full_state, grad_sync, load_full_state, local_value,
+from eagle3.train.distributed import (Ranks, full_state, grad_sync, load_full_state, local_value,
                                       masked_counts, wrap)
 from eagle3.faults import maybe_kill_rank
 from eagle3.train.model import DrafterConfig, Eagle3Drafter
@@ -323,7 +323,7 @@ def train_rank(cfg: TrainConfig) -> dict:
 def train_on_ranks(cfg: TrainConfig) -> dict:
     """Run the loop in cfg.num_gpus ranks and return train()'s summary, the drafter read from the final checkpoint
     (rank 0 writes one at the last step). The vocabulary is built here first, so the ranks only read it."""
-    from eagle3.launch import run_distributed
+    from eagle3.launch import backend_for, run_distributed
 
     out = Path(cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -331,7 +331,7 @@ def train_on_ranks(cfg: TrainConfig) -> dict:
     reader = open_data(cfg, info)
     vocab = load_or_build_vocab(out / VOCAB_FILE, lambda: count_masked_tokens(reader, info.vocab_size),
                                 cfg.draft_vocab_size, info.vocab_size)
-    backend = check_backend(pick_device(cfg.device), cfg.num_gpus)
+    backend = backend_for(pick_device(cfg.device), cfg.num_gpus, "train_num_gpus")
     summary = run_distributed("eagle3.train.trainer:train_rank", (cfg,), nprocs=cfg.num_gpus, backend=backend,
                               timeout_s=cfg.dist_timeout_s, name="eagle3-train")[0]
     checkpoints = Checkpoints(out / "checkpoints", cfg.fingerprint(), cfg.keep_checkpoints)
