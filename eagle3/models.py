@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import fcntl
 import importlib.util
-import json
 import logging
 import os
 import shutil
@@ -19,6 +18,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from eagle3.errors import ConfigError, PipelineError
+from eagle3.fit import load_config
 from eagle3.io import atomic_write_json, sha256_file
 
 log = logging.getLogger(__name__)
@@ -81,10 +81,7 @@ def model_info(model_path: str | os.PathLike) -> ModelInfo:
         raise ConfigError(f"model_path {path}: no such directory (expected an HF-format model folder)")
     if not cfg_path.is_file():
         raise ConfigError(f"model_path {path}: no config.json (expected an HF-format model folder)")
-    try:
-        cfg = json.loads(cfg_path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise ConfigError(f"{cfg_path}: unreadable config: {e}") from e
+    cfg = load_config(path)
     text = cfg.get("text_config", cfg)
     try:
         rope_theta = text.get("rope_theta")

@@ -48,12 +48,6 @@ def installed(module: str) -> bool:
     return importlib.util.find_spec(module) is not None
 
 
-def cuda_devices() -> int:
-    import torch
-
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
-
-
 def find_gguf(model_path: str) -> str | None:
     """The GGUF of the target: one inside its folder, or the packaged SmolLM2 one for its converted folder."""
     from eagle3.models import SMOLLM2_DIRNAME, find_smollm2_gguf
@@ -85,7 +79,10 @@ def resolve_server(mode: str, model_path: str, server_command: str | None, gguf:
     from eagle3.datagen.llama_cpp_server import command_template
     from eagle3.datagen.server import DEFAULT_SERVER_COMMAND
 
-    gpus = cuda_devices() if gpus is None else gpus
+    if gpus is None:
+        from eagle3.launch import visible_gpus
+
+        gpus = visible_gpus()
     if gpus and installed("sglang"):
         name = SGLANG_SERVED_NAME if served_model_name == AUTO else served_model_name
         return ServerChoice(DEFAULT_SERVER_COMMAND, None if gguf == AUTO else gguf, name, "sglang",
