@@ -1,16 +1,18 @@
-"""The quality run's plan: the main configuration, its ablations (one knob each, at equal data) in the order that
-tells most first, the time estimates that keep a device call under its deadline, and the results table.
+"""The quality run's plan: a base configuration and its ablations (one knob each, at equal data: the first
+--ablation-prompts prompts), the main run (every prompt answered, with the recipe the ablations support), the time
+estimates that keep the run inside its device time, and the results table.
 
 Order: the knobs expected to move tau most, or to change the recipe's cost most, come first (TTT depth 1 vs 7,
 epochs 1, sampled answers, max_seq_len 2048, draft vocab 8K, fp8 storage), then the finer steps (epochs 6, depth 3,
-vocab 16K, all distinct tokens). A row's `cost` is its expected time relative to the main run's.
+vocab 16K, all distinct tokens), then the optimiser (lr, batch). A row's `cost` is its expected time relative to
+the base run's.
 """
 
 from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from eagle3.io import atomic_write_json
@@ -21,29 +23,34 @@ class DataVariant:
     answers: str = "greedy"  # greedy | sampled (at the run's --temperature)
     storage: str = "bfloat16"  # extraction storage dtype
     max_seq_len: int = 512
+    parts: int = 1  # answer parts (of --part-size prompts each) merged
 
     @property
     def key(self) -> str:
-        return f"{self.answers}-{self.storage}-{self.max_seq_len}"
+        return f"{self.answers}-{self.storage}-{self.max_seq_len}-p{self.parts}"
 
 
 @dataclass
 class Variant:
     name: str
-    change: str  # what differs from the main run
+    change: str  # what differs from the base run
     data: DataVariant
     train: dict  # TrainConfig overrides
     ks: list[int]
+    eval_new_tokens: int
     cost: float = 1.0
+    group: str = ""  # the knob it varies (recipe() picks one value per group)
 
     def row(self, status: str, train: dict | None = None, ev: dict | None = None, merged: dict | None = None,
             **extra) -> dict:
-        row = {"name": self.name, "change": self.change, "status": status, "ks": self.ks}
+        row = {"name": self.name, "change": self.change, "status": status, "ks": self.ks, "group": self.group,
+               "eval_new_tokens": self.eval_new_tokens}
         if train:
             row.update(draft_vocab=train["draft_vocab_size"], steps=train["steps"], train_tokens=train["train_tokens"],
                        final_loss=train["last"]["loss"], final_acc_k=train["last"]["acc_k"])
         if merged:
-            row.update(merged_tokens=merged.get("tokens"), truncated=merged.get("truncated"))
+            row.update(merged_rows=merged.get("rows"), merged_tokens=merged.get("tokens"),
+                       truncated=merged.get("truncated"))
         if ev:
             row.update(tau=ev["tau"], tau_ended_with_eos=ev["tau_ended_with_eos"], share_hit_cap=ev["share_hit_cap"],
                        tau_per_turn=ev["tau_per_turn"], identical_to_greedy=ev["identical_to_greedy"],
@@ -52,39 +59,78 @@ class Variant:
         return row
 
 
-ORDER = ["ttt1", "epochs1", "sampled", "seq2048", "vocab8k", "fp8", "epochs6", "ttt3", "vocab16k", "vocab_all"]
+ORDER = ["ttt1", "epochs1", "sampled", "seq2048", "vocab8k", "fp8", "epochs6", "ttt3", "vocab16k", "vocab_all",
+         "lr3e-4", "lr2e-3", "batch16", "batch64"]
+# a row within MARGIN of the base run's tau is a tie: the recipe keeps the base value (cheaper to explain)
+MARGIN = 0.02
 
 
-def plan(args) -> list[Variant]:
-    base_data = DataVariant(max_seq_len=args.max_seq_len)
-    base = {"epochs": args.epochs, "ttt_steps": args.ttt_steps, "draft_vocab_size": args.draft_vocab}
-    k1 = args.ks[:1]
+def plan(args, ablation_parts: int) -> list[Variant]:
+    """The base run and the asked ablations, all on the first `ablation_parts` answer parts (main comes later:
+    main_variant)."""
+    data = DataVariant(max_seq_len=args.max_seq_len, parts=ablation_parts)
+    base = {"epochs": args.epochs, "ttt_steps": args.ttt_steps, "draft_vocab_size": args.draft_vocab,
+            "lr": args.lr, "batch_size": args.batch_size}
+    k1, n = args.ks[:1], args.ablation_eval_new_tokens
 
-    def v(name, change, data=base_data, cost=1.0, **train):
-        return Variant(name, change, data, {**base, **train}, k1, cost)
+    def v(name, change, group, data=data, cost=1.0, **train):
+        return Variant(name, change, data, {**base, **train}, k1, n, cost, group)
 
     e = args.epochs
     ablations = {
-        "ttt1": v("ttt1", "TTT depth 1", ttt_steps=1, cost=0.4),
-        "ttt3": v("ttt3", "TTT depth 3", ttt_steps=3, cost=0.6),
-        "epochs1": v("epochs1", "1 epoch", epochs=1, cost=1 / e),
-        "epochs6": v("epochs6", "6 epochs", epochs=6, cost=6 / e),
-        "vocab8k": v("vocab8k", "draft vocab 8K", draft_vocab_size=8192),
-        "vocab16k": v("vocab16k", "draft vocab 16K", draft_vocab_size=16384),
-        "vocab_all": v("vocab_all", "draft vocab = all distinct tokens", draft_vocab_size=10 ** 6),
-        "fp8": v("fp8", "states stored float8_e4m3fn", DataVariant("greedy", "float8_e4m3fn", args.max_seq_len),
-                 cost=1.2),
-        "sampled": v("sampled", f"sampled answers (T={args.temperature})",
-                     DataVariant("sampled", "bfloat16", args.max_seq_len), cost=1.5),
-        "seq2048": v("seq2048", "max_seq_len 2048", DataVariant("greedy", "bfloat16", 2048), cost=1.4),
+        "ttt1": v("ttt1", "TTT depth 1", "ttt_steps", ttt_steps=1, cost=0.6),
+        "ttt3": v("ttt3", "TTT depth 3", "ttt_steps", ttt_steps=3, cost=0.8),
+        "epochs1": v("epochs1", "1 epoch", "epochs", epochs=1, cost=0.5 + 0.5 / e),
+        "epochs6": v("epochs6", "6 epochs", "epochs", epochs=6, cost=0.5 + 3 / e),
+        "vocab8k": v("vocab8k", "draft vocab 8K", "draft_vocab_size", draft_vocab_size=8192),
+        "vocab16k": v("vocab16k", "draft vocab 16K", "draft_vocab_size", draft_vocab_size=16384),
+        "vocab_all": v("vocab_all", "draft vocab = all distinct tokens", "draft_vocab_size",
+                       draft_vocab_size=10 ** 6),
+        "fp8": v("fp8", "states stored float8_e4m3fn", "storage", replace(data, storage="float8_e4m3fn"), cost=1.2),
+        "sampled": v("sampled", f"sampled answers (T={args.temperature})", "answers",
+                     replace(data, answers="sampled"), cost=2.0),
+        "seq2048": v("seq2048", "max_seq_len 2048", "max_seq_len", replace(data, max_seq_len=2048), cost=1.3),
+        "lr3e-4": v("lr3e-4", "lr 3e-4", "lr", lr=3e-4),
+        "lr2e-3": v("lr2e-3", "lr 2e-3", "lr", lr=2e-3),
+        "batch16": v("batch16", "batch 16", "batch_size", batch_size=16, cost=1.2),
+        "batch64": v("batch64", "batch 64", "batch_size", batch_size=64),
     }
     wanted = ORDER if args.ablations == "all" else [] if args.ablations == "none" else args.ablations.split(",")
     unknown = [w for w in wanted if w not in ablations]
     if unknown:
         raise SystemExit(f"--ablations: unknown {unknown}; known: {ORDER}")
-    main = Variant("main", f"main: TTT {args.ttt_steps}, vocab {args.draft_vocab}, bf16, {e} epochs, greedy, "
-                           f"max_seq_len {args.max_seq_len}", base_data, dict(base), list(args.ks))
-    return [main] + [ablations[w] for w in wanted]
+    desc = (f"base: TTT {args.ttt_steps}, vocab {args.draft_vocab}, bf16, {e} epochs, greedy, "
+            f"max_seq_len {args.max_seq_len}, lr {args.lr:g}, batch {args.batch_size}")
+    return [Variant("base", desc, data, dict(base), k1, n)] + [ablations[w] for w in wanted]
+
+
+def recipe(rows: list[dict], variants: list[Variant]) -> tuple[dict, dict, list[str]]:
+    """The knobs the finished rows support: per group, the row with the highest tau at the first k, when it beats
+    the base run by more than MARGIN (else the base value). Sampled answers are reported, never adopted (the main
+    run's answers are greedy). Returns (train overrides, data overrides, one reason per group decided)."""
+    by_name = {v.name: v for v in variants}
+    done = {r["name"]: r for r in rows if r.get("tau") and r["status"] == "done"}
+    if "base" not in done:
+        return {}, {}, ["no finished base run: the base values"]
+    k = str(by_name["base"].ks[0])
+    base_tau = done["base"]["tau"][k]
+    train, data, why = {}, {}, []
+    for group in dict.fromkeys(v.group for v in variants if v.group and v.group != "answers"):
+        tried = [n for n, v in by_name.items() if v.group == group and n in done]
+        if not tried:
+            continue
+        best = max(tried, key=lambda n: done[n]["tau"][k])
+        tau = done[best]["tau"][k]
+        if tau > base_tau + MARGIN:
+            v = by_name[best]
+            if group in ("storage", "max_seq_len"):
+                data[group] = getattr(v.data, group)
+            else:
+                train[group] = v.train[group]
+            why.append(f"{group}: {best} ({tau:.2f} vs base {base_tau:.2f})")
+        else:
+            why.append(f"{group}: base kept (best other {best} {tau:.2f} vs {base_tau:.2f})")
+    return train, data, why
 
 
 @dataclass
@@ -105,28 +151,33 @@ class Clock:
             self.rates[kind] = seconds / units
             atomic_write_json(self.path, self.rates)
 
-    def allows(self, kind: str, units: float) -> bool:
-        return time.time() + self.rates.get(kind, 0.0) * units <= self.deadline
+    def estimate(self, kind: str, units: float) -> float:
+        return self.rates.get(kind, 0.0) * units
+
+    def allows(self, kind: str, units: float, until: float | None = None) -> bool:
+        return time.time() + self.estimate(kind, units) <= (until or self.deadline)
 
 
 def _fmt(x, nd=2):
     return "-" if x is None else f"{x:.{nd}f}" if isinstance(x, float) else str(x)
 
 
-def write_table(out: Path, meta: dict, rows: list[dict], variants: list[Variant]) -> None:
+def write_table(out: Path, meta: dict, rows: list[dict], k: int) -> None:
     """ablations.json (every figure) and ablations.md (the table): tau at the first k over whole answers, over
-    answers ending with eos, the share hitting the cap, and tau's change against the main run."""
-    main = next((r for r in rows if r["name"] == "main" and "tau" in r), None)
-    k = str(variants[0].ks[0])
-    lines = [f"| run | change | tau k={k} | vs main | tau eos-ended | share at cap | draft vocab | steps | "
-             f"train s | status |", "|---|---|---|---|---|---|---|---|---|---|"]
+    answers ending with eos, the share hitting the cap, and tau's change against the base run."""
+    base = next((r for r in rows if r["name"] == "base" and "tau" in r), None)
+    k = str(k)
+    lines = [f"| run | change | answers trained | eval tokens | tau k={k} | vs base | tau eos-ended | share at cap | "
+             f"draft vocab | steps | train s | status |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         tau = r.get("tau", {}).get(k)
-        delta = tau - main["tau"][k] if main and tau is not None and r is not main else None
+        same_scale = base and r["name"] != "main" and r is not base
+        delta = tau - base["tau"][k] if same_scale and tau is not None else None
         extra = "".join(f"; k={kk}: {_fmt(t)}" for kk, t in r.get("tau", {}).items() if kk != k)
-        lines.append(f"| {r['name']} | {r['change']}{extra} | {_fmt(tau)} | "
-                     f"{'-' if delta is None else f'{delta:+.2f}'} | {_fmt(r.get('tau_ended_with_eos', {}).get(k))} | "
-                     f"{_fmt(r.get('share_hit_cap', {}).get(k))} | {_fmt(r.get('draft_vocab'))} | "
-                     f"{_fmt(r.get('steps'))} | {_fmt(r.get('train_s'), 0)} | {r['status']} |")
+        lines.append(f"| {r['name']} | {r['change']}{extra} | {_fmt(r.get('merged_rows'))} | "
+                     f"{r['eval_new_tokens']} | {_fmt(tau)} | {'-' if delta is None else f'{delta:+.2f}'} | "
+                     f"{_fmt(r.get('tau_ended_with_eos', {}).get(k))} | {_fmt(r.get('share_hit_cap', {}).get(k))} | "
+                     f"{_fmt(r.get('draft_vocab'))} | {_fmt(r.get('steps'))} | {_fmt(r.get('train_s'), 0)} | "
+                     f"{r['status']} |")
     atomic_write_json(out / "ablations.json", {**meta, "rows": rows})
     (out / "ablations.md").write_text("\n".join(lines) + "\n")

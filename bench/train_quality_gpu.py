@@ -5,16 +5,21 @@
     -> merge -> extraction (bf16; float8_e4m3fn for that ablation) -> training -> export for SGLang
     -> MT-bench evaluation (evaluate_phase, batched decoder: both turns, k=5 and 7, tau over answers that end
        with eos, the share hitting max_new_tokens, per turn and category; lossless or the row says why not)
-then the ablations at equal data (same prompts, same answers or as many sampled ones, one knob each), in
-bench/quality_plan.py's order: most informative first. Every finished row is written at once to
---out/ablations.json and ablations.md (the table for docs/benchmarks.md), the main run to quality_gpu.json.
 
---deadline-s: no stage starts that its estimate (the time a similar stage took, per token) says would end past
-the deadline; the rows left are marked "not run". Every stage is resumable and skips finished work, so the same
-command in a later device call (same warm machine, same --work) continues where the last one stopped.
+Two lanes share the GPU. A child process answers every prompt greedily, in parts of --part-size (the first parts
+first). Meanwhile the base run and its ablations train on the first --ablation-prompts answers (equal data, one knob
+each, bench/quality_plan.py's order: most informative first) and are evaluated on MT-bench answers of
+--ablation-eval-new-tokens. Then the main run: every answered prompt, the recipe the finished ablations support
+(quality_plan.recipe), its optimizer steps capped to end inside --deadline-s, evaluated at --eval-new-tokens and
+every k. Every finished row is written at once to --out/ablations.json and ablations.md (the table for
+docs/benchmarks.md), the main run to quality_gpu.json.
+
+Deadlines: the answers stop at --gen-by-s, the ablation rows start no later than --ablations-by-s (a row whose
+estimate ends later is "not run"), everything ends by --deadline-s less --reserve-s (seconds from the start). Every
+stage is resumable and skips finished work: the same command on the same --work continues where one stopped.
 
     python bench/train_quality_gpu.py --gguf SmolLM2.gguf --train-prompts sharegpt.jsonl \
-        --eval-prompts mtbench.jsonl --work /root/q --out $OUT/q --deadline-s 540          # H200
+        --eval-prompts mtbench.jsonl --work /root/q --out /root/qout --deadline-s 1400          # H200
     python bench/train_quality_gpu.py --smoke --work /tmp/qs --out /tmp/qs/out             # CPU, a few minutes
 """
 
@@ -25,6 +30,7 @@ import json
 import logging
 import os
 import shutil
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -34,7 +40,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 
-from bench.quality_plan import DataVariant, Clock, plan, write_table  # noqa: E402
+from bench.quality_plan import Clock, DataVariant, Variant, plan, recipe, write_table  # noqa: E402
 from eagle3.errors import PipelineError  # noqa: E402
 from eagle3.extract.config import ExtractConfig, ShardPlanConfig  # noqa: E402
 from eagle3.extract.extractor import extract_shard  # noqa: E402
@@ -81,15 +87,16 @@ def read_first_turns(path: str, n: int, tokenizer, max_prompt_tokens: int) -> li
 
 
 def generate(args, prompts: list[str], model_path: Path, root: Path, temperature: float, clock: Clock,
-             device: str) -> int:
+             device: str, until: float | None = None) -> int:
     """The target's answers in parts of --part-size prompts (a finished part is never redone), one datagen-style
-    dataset folder per part under root; no part starts past the clock's deadline. Returns the prompts answered."""
+    dataset folder per part under root; no part starts that would end past `until` (default: the clock's
+    deadline). Returns the prompts answered."""
     parts = [(f"P{i // args.part_size:03d}", i) for i in range(0, len(prompts), args.part_size)]
     todo = [p for p in parts if not (root / p[0] / "tokenized.jsonl").is_file()]
     model = tok = None
     for name, i in todo:
         chunk = prompts[i:i + args.part_size]
-        if not clock.allows("generate", len(chunk)):
+        if not clock.allows("generate", len(chunk), until):
             log.info("generation at %s: deadline, %d parts left", root.name, len(todo) - todo.index((name, i)))
             break
         if model is None:
@@ -105,16 +112,39 @@ def generate(args, prompts: list[str], model_path: Path, root: Path, temperature
                 f.write(json.dumps({"sample_id": f"{root.name}-{i + j}", "dataset": name, **s}) + "\n")
         log.info("%s/%s: %d answers, %.0f answer tok/s", root.name, name, len(samples),
                  sum(sum(s["loss_mask"]) for s in samples) / (time.time() - t))
-    done = [i for name, i in parts if (root / name / "tokenized.jsonl").is_file()]
-    return sum(min(args.part_size, len(prompts) - i) for i in done)
+    return answered_parts(root, args.part_size, len(prompts))[1]
 
 
-def prepare_data(args, data: DataVariant, work: Path, model_path: Path, info, clock: Clock, parts: int):
-    """Merge (the first `parts` answer parts of the variant's answers, length cap) and extraction (storage
+def answered_parts(root: Path, part_size: int, n_prompts: int) -> tuple[int, int]:
+    """(leading parts answered, the prompts they hold): parts are merged as a prefix, so a gap ends the count."""
+    parts = 0
+    while parts * part_size < n_prompts and (root / f"P{parts:03d}" / "tokenized.jsonl").is_file():
+        parts += 1
+    return parts, min(n_prompts, parts * part_size)
+
+
+def start_generation(until: float, work: Path) -> subprocess.Popen:
+    """This script again as a child (--stage generate): the greedy answers of every prompt, beside the runs."""
+    argv = [sys.executable, __file__, *sys.argv[1:], "--stage", "generate", "--until", str(until)]
+    with open(work / "gen.log", "ab") as log_file:  # its tracebacks too
+        return subprocess.Popen(argv, stdout=log_file, stderr=subprocess.STDOUT)
+
+
+def wait_for_parts(root: Path, parts: int, args, n_prompts: int, gen: subprocess.Popen | None) -> None:
+    """Block until the first `parts` greedy parts exist (the generation child writes them in order)."""
+    while answered_parts(root, args.part_size, n_prompts)[0] < parts:
+        if gen is None or gen.poll() is not None:
+            raise PipelineError(f"greedy answers: {answered_parts(root, args.part_size, n_prompts)[0]} of {parts} "
+                                f"parts, and the generation has stopped (see {root.parent.parent}/run.log)")
+        time.sleep(2)
+
+
+def prepare_data(args, data: DataVariant, work: Path, model_path: Path, info, clock: Clock):
+    """Merge (the first data.parts answer parts of the variant's answers, length cap) and extraction (storage
     dtype) of one data variant: (its shard folders, the merge report)."""
     folder = work / f"data-{data.key}"
     root = work / "datagen" / data.answers
-    inputs = [str(root / f"P{p:03d}") for p in range(parts)]
+    inputs = [str(root / f"P{p:03d}") for p in range(data.parts)]
     merged = run_merge(MergeConfig(inputs=inputs, output_dir=str(folder / "merge"), max_seq_len=data.max_seq_len,
                                    vocab_size=info.vocab_size, hidden_size=info.hidden_size))
     t = time.time()
@@ -127,7 +157,70 @@ def prepare_data(args, data: DataVariant, work: Path, model_path: Path, info, cl
     return [s["shard_dir"] for s in shards], merged
 
 
-def main() -> None:
+class Runs:
+    """What one variant needs besides its knobs: the target, the prompts, the data prepared so far, the clock."""
+
+    def __init__(self, args, work: Path, model_path: Path, info, clock: Clock, prompts: list[str], device: str,
+                 gen: subprocess.Popen | None):
+        self.args, self.work, self.model_path, self.info, self.clock = args, work, model_path, info, clock
+        self.prompts, self.device, self.gen, self.shards_of = prompts, device, gen, {}
+
+    def data(self, v: Variant):
+        args, d = self.args, v.data
+        n = min(len(self.prompts), d.parts * args.part_size)
+        wait_for_parts(self.work / "datagen" / "greedy", d.parts, args, len(self.prompts), self.gen)
+        if d.answers != "greedy":  # the same prompts, as many parts
+            done = generate(args, self.prompts[:n], self.model_path, self.work / "datagen" / d.answers,
+                            args.temperature, self.clock, self.device)
+            if done < n:
+                raise PipelineError(f"{d.answers} answers: {done} of {n} prompts by the deadline")
+        if d.key not in self.shards_of:
+            self.shards_of[d.key] = prepare_data(args, d, self.work, self.model_path, self.info, self.clock)
+        return self.shards_of[d.key]
+
+    def run(self, v: Variant, max_steps: int = 0, on_data=None) -> tuple[dict, tuple | None]:
+        """Train and evaluate one variant: (its table row, (train, ev, merged, failure) or None)."""
+        args, work = self.args, self.work
+        try:
+            shard_dirs, merged = self.data(v)
+            if on_data:
+                max_steps = on_data(merged)
+            t = time.time()
+            train = train_phase(TrainConfig(shard_dirs=shard_dirs, model_path=str(self.model_path),
+                                            output_dir=str(work / f"train-{v.name}"), warmup_ratio=0.02,
+                                            checkpoint_every=500, log_every=10, max_seq_len=v.data.max_seq_len,
+                                            max_steps=max_steps or args.max_steps, compile=False, **v.train))
+            train_s = time.time() - t
+            self.clock.record("train_sample", train["steps"] * v.train["batch_size"], train_s)
+            t = time.time()
+            failure = None
+            ecfg = EvalConfig(export_dir=train["export_dir"], model_path=str(self.model_path),
+                              output_dir=str(work / f"eval-{v.name}"), prompts_file=args.eval_prompts, ks=v.ks,
+                              max_new_tokens=v.eval_new_tokens, max_prompts=args.eval_conversations,
+                              random_floor=v.name == "main", floor_max_prompts=8)
+            try:
+                ev = evaluate_phase(ecfg)
+            except PipelineError as e:  # the phase wrote its figures before failing: keep them, say why
+                failure, ev = str(e)[:300], read_json(work / f"eval-{v.name}" / "report.failed.json")
+            row = v.row(status="done" if failure is None else "NOT LOSSLESS", train=train, ev=ev, merged=merged,
+                        train_s=round(train_s, 1), eval_s=round(time.time() - t, 1), failure=failure)
+            return row, (train, ev, merged, failure)
+        except PipelineError as e:
+            log.error("%s: %s", v.name, e)
+            return v.row(status=f"failed: {str(e)[:200]}"), None
+
+
+def main_variant(args, parts: int, train_o: dict, data_o: dict, why: list[str]) -> Variant:
+    base = {"epochs": args.epochs, "ttt_steps": args.ttt_steps, "draft_vocab_size": args.draft_vocab,
+            "lr": args.lr, "batch_size": args.batch_size}
+    data = DataVariant("greedy", data_o.get("storage", "bfloat16"), data_o.get("max_seq_len", args.max_seq_len), parts)
+    train = {**base, **train_o}
+    adopted = ", ".join(f"{k} {v:g}" if isinstance(v, float) else f"{k} {v}" for k, v in {**train_o, **data_o}.items())
+    change = f"main: every answered prompt, base knobs{' but ' + adopted if adopted else ''}"
+    return Variant("main", change, data, train, list(args.ks), args.eval_new_tokens)
+
+
+def parse_args():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     src = ap.add_mutually_exclusive_group()
     src.add_argument("--gguf", help="SmolLM2-135M-Instruct GGUF file (converted once into <work>/model)")
@@ -136,14 +229,18 @@ def main() -> None:
     ap.add_argument("--eval-prompts", default="mtbench", help="MT-bench JSONL (python -m eagle3 prompts mtbench OUT)")
     ap.add_argument("--work", required=True)
     ap.add_argument("--out", required=True)
-    ap.add_argument("--deadline-s", type=float, default=540, help="wall seconds from start; no stage starts past it")
-    ap.add_argument("--prompts", type=int, default=3000)
+    ap.add_argument("--deadline-s", type=float, default=1400, help="wall seconds from start; everything ends by it")
+    ap.add_argument("--reserve-s", type=float, default=0, help="seconds left free at the end (a later benchmark)")
+    ap.add_argument("--gen-by-s", type=float, default=0, help="answers stop by then (0 = deadline less 500 s)")
+    ap.add_argument("--ablations-by-s", type=float, default=0, help="no ablation row ends past it (0 = --gen-by-s)")
+    ap.add_argument("--prompts", type=int, default=20000, help="train prompts (at most; the file may hold fewer)")
+    ap.add_argument("--ablation-prompts", type=int, default=3000, help="the base run's and ablations' prompts")
     ap.add_argument("--max-prompt-tokens", type=int, default=768)
     ap.add_argument("--part-size", type=int, default=1000)
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--gen-batch", type=int, default=1000)
     ap.add_argument("--temperature", type=float, default=0.8, help="the sampled-answers ablation")
-    ap.add_argument("--max-seq-len", type=int, default=512, help="the main run's (the ablation: 2048)")
+    ap.add_argument("--max-seq-len", type=int, default=512, help="the base run's (the ablation: 2048)")
     ap.add_argument("--shards", type=int, default=2)
     ap.add_argument("--epochs", type=int, default=3)
     ap.add_argument("--ttt-steps", type=int, default=7)
@@ -151,22 +248,37 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument("--lr", type=float, default=8e-4)
     ap.add_argument("--max-steps", type=int, default=0, help="cap on optimizer steps (0 = epochs decide)")
-    ap.add_argument("--eval-new-tokens", type=int, default=512)
+    ap.add_argument("--eval-new-tokens", type=int, default=512, help="the main run's MT-bench answers")
+    ap.add_argument("--ablation-eval-new-tokens", type=int, default=256, help="the base run's and ablations'")
+    ap.add_argument("--main-eval-s", type=float, default=120, help="the main evaluation's time, reserved")
     ap.add_argument("--eval-conversations", type=int, default=0, help="MT-bench questions (0 = all 80)")
     ap.add_argument("--ks", type=lambda v: [int(x) for x in v.split(",")], default=[5, 7])
     ap.add_argument("--ablations", default="all", help="comma list of ablation names, `all` or `none`")
+    ap.add_argument("--main-recipe", choices=("ablations", "base"), default="ablations")
+    ap.add_argument("--stage", choices=("all", "generate"), default="all", help=argparse.SUPPRESS)
+    ap.add_argument("--until", type=float, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--smoke", action="store_true", help="CPU: tiny everything (the cached SmolLM2 folder)")
     args = ap.parse_args()
     if args.smoke:
         args.prompts, args.part_size, args.new_tokens, args.gen_batch, args.max_steps = 12, 6, 12, 12, 3
         args.eval_new_tokens, args.eval_conversations, args.ks, args.shards, args.batch_size = 8, 1, [2, 3], 1, 4
-        args.epochs, args.draft_vocab, args.deadline_s, args.max_prompt_tokens = 1, 2000, max(args.deadline_s, 3600), 96
+        args.epochs, args.draft_vocab, args.max_prompt_tokens, args.ablation_prompts = 1, 2000, 96, 6
+        args.ablation_eval_new_tokens, args.deadline_s = 6, max(args.deadline_s, 3600)
+    args.gen_by_s = args.gen_by_s or max(0.0, args.deadline_s - 500)
+    args.ablations_by_s = args.ablations_by_s or args.gen_by_s
+    return args
+
+
+def main() -> None:
+    args = parse_args()
     work, out = Path(args.work), Path(args.out)
     work.mkdir(parents=True, exist_ok=True)
     out.mkdir(parents=True, exist_ok=True)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s",
+    lane = "gen" if args.stage == "generate" else "runs"
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {lane} %(name)s %(message)s",
                         handlers=[logging.StreamHandler(sys.stdout), logging.FileHandler(work / "run.log")])
-    clock = Clock(time.time() + args.deadline_s, work / "clock.json")
+    t0 = time.time()
+    clock = Clock(t0 + args.deadline_s - args.reserve_s, work / f"clock-{lane}.json")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.smoke:
         from eagle3.models import ensure_smollm2
@@ -184,57 +296,58 @@ def main() -> None:
     model_path = target_folder(args, work)
     info, tok = model_info(model_path), load_tokenizer(model_path)
     prompts = read_first_turns(args.train_prompts, args.prompts, tok, args.max_prompt_tokens)
-    rows, variants = [], plan(args)
+    greedy = work / "datagen" / "greedy"
+    if args.stage == "generate":
+        generate(args, prompts, model_path, greedy, 0.0, clock, device, until=args.until)
+        return
+    gen = start_generation(t0 + args.gen_by_s, work)
     meta = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "argv": sys.argv[1:],
             "device": torch.cuda.get_device_name(0) if device == "cuda" else "cpu", "torch": torch.__version__,
             "prompts": len(prompts)}
-
-    answered = generate(args, prompts, model_path, work / "datagen" / "greedy", 0.0, clock, device)
-    greedy_parts = -(-answered // args.part_size)
-    shards_of: dict = {}
+    runs = Runs(args, work, model_path, info, clock, prompts, device, gen)
+    variants = plan(args, -(-min(args.ablation_prompts, len(prompts)) // args.part_size))
+    rows: list[dict] = []
+    for v in variants:  # sampled answers first: the child writes the greedy parts meanwhile
+        if v.data.answers != "greedy" and clock.allows("variant", v.cost, t0 + args.ablations_by_s):
+            n = min(len(prompts), v.data.parts * args.part_size)
+            generate(args, prompts[:n], model_path, work / "datagen" / v.data.answers, args.temperature, clock, device)
     for v in variants:
-        if not clock.allows("variant", v.cost) and not (work / f"eval-{v.name}" / "report.json").is_file():
+        base = next((r for r in rows if r["name"] == "base" and r.get("draft_vocab")), None)
+        resumed = (work / f"eval-{v.name}" / "report.json").is_file()
+        if (v.group == "draft_vocab_size" and base and base["draft_vocab"] < args.draft_vocab
+                and v.train["draft_vocab_size"] >= base["draft_vocab"]):
+            # the base run already keeps every distinct token: this row would train the same drafter
+            rows.append(v.row(status=f"same as base: the data has {base['draft_vocab']} distinct tokens"))
+        elif not resumed and not clock.allows("variant", v.cost, t0 + args.ablations_by_s):
             rows.append(v.row(status="not run (deadline)"))
-            write_table(out, meta, rows, variants)
-            continue
-        t0 = time.time()
-        try:
-            parts = greedy_parts
-            if v.data.answers != "greedy":  # the same prompts, as many parts as the greedy answers have
-                done = generate(args, prompts[: answered], model_path, work / "datagen" / v.data.answers,
-                                args.temperature, clock, device)
-                parts = min(parts, done // args.part_size + (done % args.part_size > 0))
-                if parts < greedy_parts:
-                    raise PipelineError(f"{v.data.answers} answers: {parts} of {greedy_parts} parts by the deadline")
-            if v.data.key not in shards_of:
-                shards_of[v.data.key] = prepare_data(args, v.data, work, model_path, info, clock, parts)
-            shard_dirs, merged = shards_of[v.data.key]
+        else:
             t = time.time()
-            train = train_phase(TrainConfig(shard_dirs=shard_dirs, model_path=str(model_path),
-                                            output_dir=str(work / f"train-{v.name}"), batch_size=args.batch_size,
-                                            lr=args.lr, warmup_ratio=0.02, checkpoint_every=500, log_every=10,
-                                            max_seq_len=v.data.max_seq_len, max_steps=args.max_steps, compile=False,
-                                            **v.train))
-            train_s = time.time() - t
-            t = time.time()
-            failure = None
-            ecfg = EvalConfig(export_dir=train["export_dir"], model_path=str(model_path),
-                              output_dir=str(work / f"eval-{v.name}"),
-                              prompts_file=args.eval_prompts, ks=v.ks, max_new_tokens=args.eval_new_tokens,
-                              max_prompts=args.eval_conversations, random_floor=v.name == "main", floor_max_prompts=8)
-            try:
-                ev = evaluate_phase(ecfg)
-            except PipelineError as e:  # the phase wrote its figures before failing: keep them, say why
-                failure, ev = str(e)[:300], read_json(work / f"eval-{v.name}" / "report.failed.json")
-            rows.append(v.row(status="done" if failure is None else "NOT LOSSLESS", train=train, ev=ev, merged=merged,
-                              train_s=round(train_s, 1), eval_s=round(time.time() - t, 1), failure=failure))
-            if v.name == "main":
-                save_main(out, work, meta, train, ev, merged, failure)
-        except PipelineError as e:
-            log.error("%s: %s", v.name, e)
-            rows.append(v.row(status=f"failed: {str(e)[:200]}"))
-        clock.record("variant", v.cost, time.time() - t0)
-        write_table(out, meta, rows, variants)
+            rows.append(runs.run(v)[0])
+            if v.name == "base":
+                clock.record("variant", 1.0, time.time() - t)
+        write_table(out, meta, rows, args.ks[0])
+    gen.wait()
+    parts, answered = answered_parts(greedy, args.part_size, len(prompts))
+    train_o, data_o, why = recipe(rows, variants) if args.main_recipe == "ablations" else ({}, {}, [])
+    mv = main_variant(args, parts, train_o, data_o, why)
+    log.info("main run: %d prompts answered (%d parts); %s", answered, parts, mv.change)
+
+    def fit_steps(merged: dict) -> int:
+        """Optimizer steps that end before the deadline, less the evaluation (0 = the epochs fit)."""
+        batch = mv.train["batch_size"]
+        want = mv.train["epochs"] * -(-merged["rows"] // batch)
+        left = clock.deadline - time.time() - args.main_eval_s
+        fit = int(left / max(clock.estimate("train_sample", batch), 1e-9))
+        if fit < want:
+            log.info("main run: %d of %d steps fit before the deadline", max(fit, 1), want)
+            return max(fit, 1)
+        return 0
+
+    row, res = runs.run(mv, on_data=fit_steps if "train_sample" in clock.rates else None)
+    rows.append({**row, "recipe": why})
+    write_table(out, meta, rows, args.ks[0])
+    if res:
+        save_main(out, work, meta, *res)
     shutil.copy(work / "run.log", out / "run.log")
     print((out / "ablations.md").read_text())
 
