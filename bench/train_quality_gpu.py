@@ -45,7 +45,7 @@ from eagle3.errors import PipelineError  # noqa: E402
 from eagle3.extract.config import ExtractConfig, ShardPlanConfig  # noqa: E402
 from eagle3.extract.extractor import extract_shard  # noqa: E402
 from eagle3.extract.plan import plan_shards  # noqa: E402
-from eagle3.io import atomic_path, read_json  # noqa: E402
+from eagle3.io import atomic_path, atomic_write_json, read_json  # noqa: E402
 from eagle3.merge.config import MergeConfig  # noqa: E402
 from eagle3.merge.run import run_merge  # noqa: E402
 from eagle3.models import COMPLETE_MARKER, convert_gguf, default_capture_layers, load_model, load_tokenizer, model_info  # noqa: E402
@@ -255,6 +255,7 @@ def parse_args():
     ap.add_argument("--ks", type=lambda v: [int(x) for x in v.split(",")], default=[5, 7])
     ap.add_argument("--ablations", default="all", help="comma list of ablation names, `all` or `none`")
     ap.add_argument("--main-recipe", choices=("ablations", "base"), default="ablations")
+    ap.add_argument("--no-main", action="store_true", help="the base run and ablations only (e.g. rows left)")
     ap.add_argument("--stage", choices=("all", "generate"), default="all", help=argparse.SUPPRESS)
     ap.add_argument("--until", type=float, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--smoke", action="store_true", help="CPU: tiny everything (the cached SmolLM2 folder)")
@@ -327,8 +328,16 @@ def main() -> None:
                 clock.record("variant", 1.0, time.time() - t)
         write_table(out, meta, rows, args.ks[0])
     gen.wait()
+    if args.no_main:
+        print((out / "ablations.md").read_text())
+        return
     parts, answered = answered_parts(greedy, args.part_size, len(prompts))
-    train_o, data_o, why = recipe(rows, variants) if args.main_recipe == "ablations" else ({}, {}, [])
+    # the recipe is fixed when the main run first starts: a resumed run continues that training, whatever rows
+    # have finished since (a new recipe would be a new run: delete <work>/train-main and main-recipe.json)
+    chosen = work / "main-recipe.json"
+    if not chosen.is_file():
+        atomic_write_json(chosen, recipe(rows, variants) if args.main_recipe == "ablations" else ({}, {}, []))
+    train_o, data_o, why = read_json(chosen)
     mv = main_variant(args, parts, train_o, data_o, why)
     log.info("main run: %d prompts answered (%d parts); %s", answered, parts, mv.change)
 

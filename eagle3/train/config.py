@@ -26,21 +26,24 @@ class TrainConfig:
     shard_dirs: list[str] = knob(help="Shard folders of extracted hidden states (the extraction tasks' outputs).")
     model_path: str = knob(help="The target model (HF folder): its embedding and lm_head are read, not trained.")
     output_dir: str = knob(help="The training folder: vocab, checkpoints, metrics, export/, report.json.")
+    # The five defaults below are the recipe the ablations in docs/benchmarks.md support (docs/train.md, "Defaults")
     draft_vocab_size: int = knob(32000, min=2, param="draft_vocab_size", section=TRAINING,
                                  help="Draft vocabulary (capped at the distinct tokens seen).")
-    ttt_steps: int = knob(7, min=1, max=32, param="ttt_steps", section=TRAINING,
+    ttt_steps: int = knob(3, min=1, max=32, param="ttt_steps", section=TRAINING,
                           help="Training-time-test depth K.")
     step_decay: float = knob(0.8, gt=0, max=1, help="Weight of TTT step k is step_decay^k.")
-    lr: float = knob(1e-4, gt=0, param="lr", section=TRAINING, help="Peak learning rate.")
+    lr: float = knob(8e-4, gt=0, param="lr", section=TRAINING, help="Peak learning rate.")
     min_lr_ratio: float = knob(0.0, min=0, max=1, help="Cosine schedule floor, as a fraction of lr.")
     warmup_ratio: float = knob(0.015, min=0, max=0.9, help="Fraction of the steps spent in linear warmup.")
     weight_decay: float = knob(0.0, min=0, help="AdamW weight decay.")
     grad_clip: float = knob(0.5, gt=0, help="Gradient norm clip.")
-    batch_size: int = knob(4, min=1, param="batch_size", section=TRAINING, help="Samples per micro-batch.")
+    batch_size: int = knob(32, min=1, param="batch_size", section=TRAINING,
+                           help="Samples per micro-batch (all ranks together); lower it and raise grad_accum when a "
+                                "large drafter runs out of GPU memory.")
     grad_accum: int = knob(1, min=1, help="Micro-batches per optimizer step.")
     max_seq_len: int = knob(8192, min=3, max=1_048_576, help="Tokens of a sample that are trained on; longer samples are cut and "
                                               "counted in report.json. The run configuration sets it to merge's cap.")
-    epochs: int = knob(1, min=1, param="epochs", section=TRAINING, help="Passes over the data.")
+    epochs: int = knob(6, min=1, param="epochs", section=TRAINING, help="Passes over the data.")
     max_steps: int = knob(0, min=0, param="max_steps", section=TRAINING,
                           help="Optimizer steps; 0 = run the epochs.")
     checkpoint_every: int = knob(100, min=1, help="Optimizer steps between checkpoints (a killed run resumes there).")
