@@ -5,9 +5,9 @@
 #   .gpu/p2: gguf.part01, gguf.sha256, sharegpt.jsonl (first human turns of --limit ShareGPT conversations,
 #            MT-bench questions removed; `python -m eagle3 prompts sharegpt`)
 # .gpu/ is ignored by git (.gitignore), so the lead copies it beside the tree and names it in `carry`.
-# Usage: bash bench/device/prepare_quality_payload.sh [LIMIT=8000] [DEST=.gpu]; needs the public-data extra.
+# Usage: bash bench/device/prepare_quality_payload.sh [LIMIT=20000: all] [DEST=.gpu]; needs the public-data extra.
 set -euo pipefail
-LIMIT=${1:-8000}
+LIMIT=${1:-20000}
 DEST=${2:-.gpu}
 G=$(python -c "from eagle3.models import find_smollm2_gguf as f; print(f())")
 rm -rf "$DEST/p1" "$DEST/p2" && mkdir -p "$DEST/p1" "$DEST/p2"
