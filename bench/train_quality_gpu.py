@@ -135,7 +135,7 @@ def wait_for_parts(root: Path, parts: int, args, n_prompts: int, gen: subprocess
     while answered_parts(root, args.part_size, n_prompts)[0] < parts:
         if gen is None or gen.poll() is not None:
             raise PipelineError(f"greedy answers: {answered_parts(root, args.part_size, n_prompts)[0]} of {parts} "
-                                f"parts, and the generation has stopped (see {root.parent.parent}/run.log)")
+                                f"parts, and the generation has stopped (see {root.parent.parent}/gen.log)")
         time.sleep(2)
 
 
@@ -208,6 +208,64 @@ class Runs:
         except PipelineError as e:
             log.error("%s: %s", v.name, e)
             return v.row(status=f"failed: {str(e)[:200]}"), None
+
+
+def run_ablations(runs: Runs, variants: list[Variant], until: float, out: Path, meta: dict) -> list[dict]:
+    """The base run and its ablations, each row written to the table as it ends; a row whose estimate ends past
+    `until` is "not run" (unless already finished: it is read back)."""
+    args, work, clock = runs.args, runs.work, runs.clock
+    for v in variants:  # sampled answers first: the child writes the greedy parts meanwhile
+        if v.data.answers != "greedy" and clock.allows("variant", v.cost, until):
+            n = min(len(runs.prompts), v.data.parts * args.part_size)
+            generate(args, runs.prompts[:n], runs.model_path, work / "datagen" / v.data.answers, args.temperature,
+                     clock, runs.device)
+    rows: list[dict] = []
+    for v in variants:
+        base = next((r for r in rows if r["name"] == "base" and r.get("draft_vocab")), None)
+        resumed = (work / f"eval-{v.name}" / "report.json").is_file()
+        if (v.group == "draft_vocab_size" and base and base["draft_vocab"] < args.draft_vocab
+                and v.train["draft_vocab_size"] >= base["draft_vocab"]):
+            # the base run already keeps every distinct token: this row would train the same drafter
+            rows.append(v.row(status=f"same as base: the data has {base['draft_vocab']} distinct tokens"))
+        elif not resumed and not clock.allows("variant", v.cost, until):
+            rows.append(v.row(status="not run (deadline)"))
+        else:
+            t = time.time()
+            rows.append(runs.run(v)[0])
+            if v.name == "base":
+                clock.record("variant", 1.0, time.time() - t)
+        write_table(out, meta, rows, args.ks[0])
+    return rows
+
+
+def run_main(runs: Runs, rows: list[dict], variants: list[Variant], parts: int, answered: int, out: Path,
+             meta: dict) -> dict:
+    """The main run on every answered part, with the recipe of the finished rows, its steps fit to the deadline."""
+    args, work, clock = runs.args, runs.work, runs.clock
+    # the recipe is fixed when the main run first starts: a resumed run continues that training, whatever rows
+    # have finished since (a new recipe would be a new run: delete <work>/train-main and main-recipe.json)
+    chosen = work / "main-recipe.json"
+    if not chosen.is_file():
+        atomic_write_json(chosen, recipe(rows, variants) if args.main_recipe == "ablations" else ({}, {}, []))
+    train_o, data_o, why = read_json(chosen)
+    mv = main_variant(args, parts, train_o, data_o, why)
+    log.info("main run: %d prompts answered (%d parts); %s", answered, parts, mv.change)
+
+    def fit_steps(merged: dict) -> int:
+        """Optimizer steps that end before the deadline, less the evaluation (0 = the epochs fit)."""
+        batch = mv.train["batch_size"]
+        want = mv.train["epochs"] * -(-merged["rows"] // batch)
+        left = clock.deadline - time.time() - args.main_eval_s
+        fit = int(left / max(clock.estimate("train_sample", batch), 1e-9))
+        if fit < want:
+            log.info("main run: %d of %d steps fit before the deadline", max(fit, 1), want)
+            return max(fit, 1)
+        return 0
+
+    row, res = runs.run(mv, on_data=fit_steps if "train_sample" in clock.rates else None)
+    if res:
+        save_main(out, work, meta, *res)
+    return {**row, "recipe": why}
 
 
 def main_variant(args, parts: int, train_o: dict, data_o: dict, why: list[str]) -> Variant:
@@ -307,56 +365,12 @@ def main() -> None:
             "prompts": len(prompts)}
     runs = Runs(args, work, model_path, info, clock, prompts, device, gen)
     variants = plan(args, -(-min(args.ablation_prompts, len(prompts)) // args.part_size))
-    rows: list[dict] = []
-    for v in variants:  # sampled answers first: the child writes the greedy parts meanwhile
-        if v.data.answers != "greedy" and clock.allows("variant", v.cost, t0 + args.ablations_by_s):
-            n = min(len(prompts), v.data.parts * args.part_size)
-            generate(args, prompts[:n], model_path, work / "datagen" / v.data.answers, args.temperature, clock, device)
-    for v in variants:
-        base = next((r for r in rows if r["name"] == "base" and r.get("draft_vocab")), None)
-        resumed = (work / f"eval-{v.name}" / "report.json").is_file()
-        if (v.group == "draft_vocab_size" and base and base["draft_vocab"] < args.draft_vocab
-                and v.train["draft_vocab_size"] >= base["draft_vocab"]):
-            # the base run already keeps every distinct token: this row would train the same drafter
-            rows.append(v.row(status=f"same as base: the data has {base['draft_vocab']} distinct tokens"))
-        elif not resumed and not clock.allows("variant", v.cost, t0 + args.ablations_by_s):
-            rows.append(v.row(status="not run (deadline)"))
-        else:
-            t = time.time()
-            rows.append(runs.run(v)[0])
-            if v.name == "base":
-                clock.record("variant", 1.0, time.time() - t)
-        write_table(out, meta, rows, args.ks[0])
+    rows = run_ablations(runs, variants, t0 + args.ablations_by_s, out, meta)
     gen.wait()
-    if args.no_main:
-        print((out / "ablations.md").read_text())
-        return
-    parts, answered = answered_parts(greedy, args.part_size, len(prompts))
-    # the recipe is fixed when the main run first starts: a resumed run continues that training, whatever rows
-    # have finished since (a new recipe would be a new run: delete <work>/train-main and main-recipe.json)
-    chosen = work / "main-recipe.json"
-    if not chosen.is_file():
-        atomic_write_json(chosen, recipe(rows, variants) if args.main_recipe == "ablations" else ({}, {}, []))
-    train_o, data_o, why = read_json(chosen)
-    mv = main_variant(args, parts, train_o, data_o, why)
-    log.info("main run: %d prompts answered (%d parts); %s", answered, parts, mv.change)
-
-    def fit_steps(merged: dict) -> int:
-        """Optimizer steps that end before the deadline, less the evaluation (0 = the epochs fit)."""
-        batch = mv.train["batch_size"]
-        want = mv.train["epochs"] * -(-merged["rows"] // batch)
-        left = clock.deadline - time.time() - args.main_eval_s
-        fit = int(left / max(clock.estimate("train_sample", batch), 1e-9))
-        if fit < want:
-            log.info("main run: %d of %d steps fit before the deadline", max(fit, 1), want)
-            return max(fit, 1)
-        return 0
-
-    row, res = runs.run(mv, on_data=fit_steps if "train_sample" in clock.rates else None)
-    rows.append({**row, "recipe": why})
-    write_table(out, meta, rows, args.ks[0])
-    if res:
-        save_main(out, work, meta, *res)
+    if not args.no_main:
+        parts, answered = answered_parts(greedy, args.part_size, len(prompts))
+        rows.append(run_main(runs, rows, variants, parts, answered, out, meta))
+        write_table(out, meta, rows, args.ks[0])
     shutil.copy(work / "run.log", out / "run.log")
     print((out / "ablations.md").read_text())
 
