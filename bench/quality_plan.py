@@ -104,6 +104,15 @@ def plan(args, ablation_parts: int) -> list[Variant]:
     return [Variant("base", desc, data, dict(base), k1, n)] + [ablations[w] for w in wanted]
 
 
+def main_variant(base: Variant, parts: int, train_o: dict, data_o: dict, ks: list[int],
+                 eval_new_tokens: int) -> Variant:
+    """The main run: the base run's knobs and data on `parts` answer parts, with the recipe's overrides."""
+    adopted = ", ".join(f"{k} {v:g}" if isinstance(v, float) else f"{k} {v}" for k, v in {**train_o, **data_o}.items())
+    change = f"main: every answered prompt, base knobs{' but ' + adopted if adopted else ''}"
+    return Variant("main", change, replace(base.data, parts=parts, **data_o), {**base.train, **train_o}, list(ks),
+                   eval_new_tokens)
+
+
 def recipe(rows: list[dict], variants: list[Variant]) -> tuple[dict, dict, list[str]]:
     """The knobs the finished rows support: per group, the row with the highest tau at the first k, when it beats
     the base run by more than MARGIN (else the base value). Sampled answers are reported, never adopted (the main

@@ -40,7 +40,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 
-from bench.quality_plan import Clock, DataVariant, Variant, plan, recipe, write_table  # noqa: E402
+from bench.quality_plan import Clock, DataVariant, Variant, main_variant, plan, recipe, write_table  # noqa: E402
 from eagle3.errors import PipelineError  # noqa: E402
 from eagle3.extract.config import ExtractConfig, ShardPlanConfig  # noqa: E402
 from eagle3.extract.extractor import extract_shard  # noqa: E402
@@ -248,7 +248,7 @@ def run_main(runs: Runs, rows: list[dict], variants: list[Variant], parts: int, 
     if not chosen.is_file():
         atomic_write_json(chosen, recipe(rows, variants) if args.main_recipe == "ablations" else ({}, {}, []))
     train_o, data_o, why = read_json(chosen)
-    mv = main_variant(args, parts, train_o, data_o, why)
+    mv = main_variant(variants[0], parts, train_o, data_o, args.ks, args.eval_new_tokens)
     log.info("main run: %d prompts answered (%d parts); %s", answered, parts, mv.change)
 
     def fit_steps(merged: dict) -> int:
@@ -266,16 +266,6 @@ def run_main(runs: Runs, rows: list[dict], variants: list[Variant], parts: int, 
     if res:
         save_main(out, work, meta, *res)
     return {**row, "recipe": why}
-
-
-def main_variant(args, parts: int, train_o: dict, data_o: dict, why: list[str]) -> Variant:
-    base = {"epochs": args.epochs, "ttt_steps": args.ttt_steps, "draft_vocab_size": args.draft_vocab,
-            "lr": args.lr, "batch_size": args.batch_size}
-    data = DataVariant("greedy", data_o.get("storage", "bfloat16"), data_o.get("max_seq_len", args.max_seq_len), parts)
-    train = {**base, **train_o}
-    adopted = ", ".join(f"{k} {v:g}" if isinstance(v, float) else f"{k} {v}" for k, v in {**train_o, **data_o}.items())
-    change = f"main: every answered prompt, base knobs{' but ' + adopted if adopted else ''}"
-    return Variant("main", change, data, train, list(args.ks), args.eval_new_tokens)
 
 
 def parse_args():

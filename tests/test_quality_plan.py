@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from bench.quality_plan import MARGIN, ORDER, plan, recipe
+from bench.quality_plan import MARGIN, ORDER, main_variant, plan, recipe
 
 
 def args(**kw):
@@ -40,3 +40,11 @@ def test_plan_runs_base_first_then_the_asked_rows_in_order_on_equal_data():
     assert [v.name for v in variants] == ["base", "epochs6", "ttt1"]
     assert {v.data.parts for v in variants} == {3} and all(v.ks == [5] for v in variants)
     assert [v.name for v in plan(args(), 3)][1:] == ORDER
+
+
+def test_main_variant_is_the_base_run_on_every_part_with_the_recipe_on_top():
+    base = plan(args(), ablation_parts=3)[0]
+    main = main_variant(base, 16, {"epochs": 6}, {"storage": "float8_e4m3fn"}, [5, 7], 512)
+    assert main.train == {**base.train, "epochs": 6} and main.data.parts == 16
+    assert (main.data.storage, main.data.max_seq_len, main.data.answers) == ("float8_e4m3fn", 512, "greedy")
+    assert main.ks == [5, 7] and main.eval_new_tokens == 512 and "epochs 6" in main.change
