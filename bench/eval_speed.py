@@ -1,9 +1,9 @@
 """The evaluation's speed: today's one-prompt evaluator against the batched one, in one process, same prompts.
 
 Prompts: MT-bench's 160 turns (turn 2 after the target's own greedy turn-1 answer, built once and shared).
-- batched:    eagle3.train.spec_batch.BatchedDecoder: every turn at once per k, lossless by a teacher-forced
+- batched:    eagle3.evaluate.spec_batch.BatchedDecoder: every turn at once per k, lossless by a teacher-forced
               check (its `greedy` = speculation at k verified in one target forward per batch).
-- sequential: eagle3.train.speculative (today's): one prompt at a time, plus HF greedy generate per prompt as
+- sequential: eagle3.evaluate.speculative (today's): one prompt at a time, plus HF greedy generate per prompt as
               the lossless reference. Slow: --sequential-turns limits it to the first N turns (figures per
               token make the two comparable; the summary says how many turns each ran).
 Both must give the same tokens where both ran. Writes eval_speed.json to --out.
@@ -27,9 +27,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 
-from eagle3.train.evaluation import build_turn_prompts, read_conversations, select  # noqa: E402
-from eagle3.train.spec_batch import BatchedDecoder, check_summary, teacher_forced_check  # noqa: E402
-from eagle3.train.speculative import SpeculativeDecoder, tau_of  # noqa: E402
+from eagle3.evaluate.evaluation import build_turn_prompts, read_conversations, select  # noqa: E402
+from eagle3.evaluate.spec_batch import BatchedDecoder, check_summary, teacher_forced_check  # noqa: E402
+from eagle3.evaluate.speculative import SpeculativeDecoder, tau_of  # noqa: E402
 
 log = logging.getLogger("eval_speed")
 

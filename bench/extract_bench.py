@@ -57,7 +57,7 @@ from eagle3.extract.extractor import BACKENDS, ShardExtractor  # noqa: E402
 from eagle3.extract.format import _start_writeback  # noqa: E402
 from eagle3.extract.pipeline import ChunkPipeline  # noqa: E402
 from eagle3.extract.plan import plan_shards  # noqa: E402
-from eagle3.extract.synthetic import write_merged_dataset  # noqa: E402
+from tests.support.synthetic import write_merged_dataset  # noqa: E402
 
 SHAPES = {
     "135m": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,

@@ -37,7 +37,7 @@ def build_target(out: Path, smoke: bool) -> Path:
 
 def build_shards(target: Path, out: Path, samples: int, length: int, device: str) -> list[Path]:
     from eagle3.models import load_model
-    from eagle3.train.selfdistill import write_shards
+    from tests.support.selfdistill import write_shards
 
     model = load_model(target, device=device)
     g = torch.Generator().manual_seed(1)

@@ -43,15 +43,17 @@ import torch  # noqa: E402
 from bench.quality_plan import Clock, DataVariant, Variant, main_variant, plan, recipe, write_table  # noqa: E402
 from eagle3.errors import PipelineError  # noqa: E402
 from eagle3.extract.config import ExtractConfig, ShardPlanConfig  # noqa: E402
-from eagle3.extract.extractor import extract_shard  # noqa: E402
+from eagle3.extract.run import extract_shard  # noqa: E402
 from eagle3.extract.plan import plan_shards  # noqa: E402
 from eagle3.io import atomic_path, atomic_write_json, read_json  # noqa: E402
 from eagle3.merge.config import MergeConfig  # noqa: E402
 from eagle3.merge.run import run_merge  # noqa: E402
 from eagle3.models import COMPLETE_MARKER, convert_gguf, default_capture_layers, load_model, load_tokenizer, model_info  # noqa: E402
-from eagle3.train import selfdistill as sd  # noqa: E402
-from eagle3.train.config import EvalConfig, TrainConfig  # noqa: E402
-from eagle3.train.run import evaluate_phase, train_phase  # noqa: E402
+from tests.support import selfdistill as sd  # noqa: E402
+from eagle3.evaluate.config import EvalConfig
+from eagle3.train.config import TrainConfig  # noqa: E402
+from eagle3.evaluate.run import evaluate_phase
+from eagle3.train.run import train_phase  # noqa: E402
 
 log = logging.getLogger("quality")
 

@@ -3,8 +3,10 @@
     preflight -> datasets -> datagen (one task per dataset) -> merge -> plan_shards
               -> extract (one task per shard, `gpu` queue and pool) -> train -> evaluate
 
-Trigger it from the UI (the form is generated from the phase configs by eagle3.config), the REST API or
-`airflow dags trigger eagle3_drafter -c '{...}'`. Every task writes under one run folder,
+Trigger it from the UI (the form is generated from the run configuration's sections by eagle3.config), the
+REST API or `airflow dags trigger eagle3_drafter -c '{...}'`. Preflight builds the run configuration from the form
+and resolves it once; every later task gets its phase's part of it from preflight's XCom (`phase_config`).
+Every task writes under one run folder,
 `<output_root>/<run_name or run_id>`, so two runs never mix files, and every phase skips the work
 its manifest says is complete: clearing one task (one extraction shard, say) or the whole run
 resumes rather than redoes. docs/operations.md says how to watch a run and backfill one shard.
@@ -19,7 +21,7 @@ from datetime import timedelta
 
 from airflow.sdk import DAG, Param, task
 
-from eagle3.config import form_params, gpu_slots, phase_template, run_dir
+from eagle3.config import form_params, gpu_slots, phase_config
 from operators.datagen import DatagenOperator
 from operators.extract import ExtractShardOperator, PlanShardsOperator
 from operators.merge import MergeOperator
@@ -49,7 +51,6 @@ with DAG(
     catchup=False,
     params=PARAMS,
     render_template_as_native_obj=True,
-    user_defined_macros={"run_dir": run_dir},  # the run-folder rule the UI plugin shares
     max_active_runs=4,
     default_args={
         "retries": 2,
@@ -63,7 +64,6 @@ with DAG(
 ) as dag:
     preflight = PreflightOperator(
         task_id="preflight",
-        config=phase_template("preflight"),
         run_params="{{ params }}",
         gpu_slots=GPU_SLOTS,  # the form's extract_tp_size must fit the extract task's slots
         retries=0,  # a failed check does not fix itself
@@ -79,21 +79,21 @@ with DAG(
 
     datagen = DatagenOperator.partial(
         task_id="datagen",
-        config=phase_template("datagen"),
+        config=phase_config("datagen"),
         max_active_tis_per_dagrun=2,  # local mode starts one server per task
         **DATAGEN_ON_GPUS,
     ).expand(dataset=datasets)
 
-    merge = MergeOperator(task_id="merge", config=phase_template("merge"))
+    merge = MergeOperator(task_id="merge", config=phase_config("merge"))
 
-    plan = PlanShardsOperator(task_id="plan_shards", config=phase_template("plan"))
+    plan = PlanShardsOperator(task_id="plan_shards", config=phase_config("plan"))
 
     extract = ExtractShardOperator.partial(
         task_id="extract",
         queue=GPU_QUEUE,
         pool=GPU_POOL,
         pool_slots=GPU_SLOTS["extract"],  # tp_size ranks, one GPU each
-        config=phase_template("extract"),
+        config=phase_config("extract"),
         retries=SHARD_RETRIES,  # a killed or faulted shard resumes from its last committed chunk
         max_active_tis_per_dagrun=64,
         execution_timeout=timedelta(hours=24),
@@ -104,9 +104,8 @@ with DAG(
         queue=GPU_QUEUE,
         pool=GPU_POOL,
         pool_slots=GPU_SLOTS["train"],  # train_num_gpus ranks at most (preflight checks)
-        config=phase_template("train"),
+        config=phase_config("train"),
         shard_dirs=extract.output,
-        overrides="{{ params.train_overrides }}",
         mlflow_conn_id="eagle3_mlflow",  # metrics to MLflow too when this Connection exists
         outlets=[DRAFTER_ASSET],  # a DAG scheduled on the asset runs after each training
         execution_timeout=timedelta(hours=72),
@@ -117,7 +116,7 @@ with DAG(
         queue=GPU_QUEUE,
         pool=GPU_POOL,
         pool_slots=GPU_SLOTS["extract"],  # the target in extract_tp_size ranks, as extraction ran it
-        config=phase_template("evaluate"),
+        config=phase_config("evaluate"),
     )
 
     preflight >> datasets

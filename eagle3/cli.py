@@ -36,13 +36,15 @@ def main(argv: list[str] | None = None) -> int:
         print(ensure_smollm2(args.cache_dir))
         return 0
     if args.cmd == "preflight":
-        from eagle3.errors import PipelineError
+        from eagle3.errors import ConfigError, PipelineError
         from eagle3.preflight import PreflightConfig, run_preflight
+        from eagle3.sections import TargetConfig
 
         try:
-            report = run_preflight(PreflightConfig(args.model_path, args.output_dir, args.capture_layers,
-                                                   args.estimated_tokens, allow_cpu=args.allow_cpu))
-        except PipelineError as e:
+            target = TargetConfig(model_path=args.model_path, capture_layers=args.capture_layers).resolved()
+            report = run_preflight(PreflightConfig(args.output_dir, args.estimated_tokens, allow_cpu=args.allow_cpu),
+                                   target)
+        except (ConfigError, PipelineError) as e:
             print(e, file=sys.stderr)
             return 1
         print(json.dumps({"ok": report["ok"], "device": report["device"]}))

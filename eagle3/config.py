@@ -1,18 +1,24 @@
-"""The run configuration: one definition of every parameter, from the trigger form to each phase's config.
+"""The run configuration: one composed config of shared sections and one section per phase.
 
-Each phase's config dataclass declares its knobs once (default, bounds, help; `eagle3.knobs`). This module
-  - lists the trigger form (`form_params`): the knobs that carry a form name, in form order,
-  - says where every field of every phase config comes from (`PHASE_SOURCES`): a form param, a path in the
-    run folder, or a model fact that preflight resolves once (the capture layers, hidden and vocab sizes),
-  - turns that into the templates the DAG gives each operator (`phase_template`) and into plain values
-    (`phase_values`) for the cross-phase check preflight runs first (`check_run`),
-  - holds the run-folder rule (`run_dir`) that the DAG and the UI plugin share.
+    RunConfig
+      run        output_root, run_name, datasets               (RunSection)
+      target     model_path, capture_layers, tp_size, dtype    (eagle3.sections.TargetConfig, shared)
+      data       max_seq_len                                   (eagle3.sections.DataConfig, shared)
+      preflight, datagen, merge, plan, extract, train, evaluate  (each phase's own config)
 
-Follow `max_seq_len`: MergeConfig declares it (form param `max_seq_len`); PHASE_SOURCES feeds the same
-param to TrainConfig.max_seq_len, so training keeps every token merge kept. Follow `capture_layers`:
-RunConfig declares the form param; preflight resolves it against the model (models.resolve_capture_layers)
-and hands the result to extraction as a fact; training reads what extraction stored; the export writes it.
-Torch-free and Airflow-free: the DAG file imports it at parse time.
+Each knob is declared once, in the dataclass of its section (default, bounds, help; eagle3.knobs); the trigger
+form is generated from them (`form_params`). `RunConfig.from_params` builds every section from the form: a phase
+that reads a shared value holds the shared section itself (ExtractConfig.target, TrainConfig.data), and the run
+folder's paths are filled in (PHASE_PATHS). Preflight then resolves it once (`check_run`: capture layers to
+concrete ints and the model's facts, the datagen server's "auto" values, the run name, the serving engines'
+checks) and hands the resolved configuration to every task as its XCom; each task builds its phase's config from
+its part (`RunConfig.from_dict(...).phase(name)`), so no later phase resolves a default again. What depends on the
+device a task runs on (the compute dtype "auto", compile, padding) is resolved where it runs
+(eagle3.extract.extractor.resolve_for_device).
+
+Follow max_seq_len: DataConfig declares it (form param max_seq_len); merge caps samples at data.max_seq_len and
+training trains on data.max_seq_len tokens: one value, one home. Torch-free and Airflow-free: the DAG file imports
+it at parse time.
 """
 
 from __future__ import annotations
@@ -26,11 +32,13 @@ from typing import Any, Mapping
 from eagle3.datagen.auto_server import AUTO, resolve_server
 from eagle3.datagen.spec import DATASET_SCHEMA, DatagenConfig, DatasetSpec
 from eagle3.errors import ConfigError
+from eagle3.evaluate.config import EvalConfig
 from eagle3.extract.config import ExtractConfig, ShardPlanConfig
 from eagle3.knobs import build, check_knobs, form_params as knob_form_params, knob
 from eagle3.merge.config import MergeConfig
 from eagle3.preflight import PreflightConfig
-from eagle3.train.config import EvalConfig, TrainConfig
+from eagle3.sections import DataConfig, TargetConfig
+from eagle3.train.config import TrainConfig
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -46,11 +54,6 @@ def demo_data_dir() -> Path:
     return here
 
 
-def default_model_path() -> str:
-    cache = Path(os.environ.get("EAGLE3_CACHE", Path.home() / ".cache" / "eagle3"))
-    return os.environ.get("EAGLE3_MODEL_PATH", str(cache / "SmolLM2-135M-Instruct"))
-
-
 def default_output_root() -> str:
     return os.environ.get("EAGLE3_OUTPUT_ROOT", str(Path.home() / "eagle3-runs"))
 
@@ -59,24 +62,15 @@ def demo_datasets() -> list[dict]:
     return [{"name": n, "prompt_file": str(demo_data_dir() / f"{n}.jsonl"), "max_tokens": 256} for n in ("A1", "B1")]
 
 
-@dataclass
-class RunConfig:
-    """The params of the run as a whole; every phase's own params are knobs of that phase's config."""
+@dataclass(frozen=True)
+class RunSection:
+    """The run as a whole: where it writes, its name, its prompt datasets, the form's free training params."""
 
-    model_path: str = knob(default_factory=default_model_path, param="model_path", section="Run",
-                           schema={"minLength": 1},
-                           help="HF-format folder of the target model (config.json, tokenizer, safetensors).")
     output_root: str = knob(default_factory=default_output_root, param="output_root", section="Run",
                             schema={"minLength": 1},
                             help="Folder under which each run gets its own sub-folder (shared storage on a cluster).")
     run_name: str | None = knob(None, param="run_name", section="Run", pattern="^[A-Za-z0-9._-]+$",
                                 help="Name of the run folder; empty = the Airflow run id. Reuse a name to resume a run.")
-    # "auto", not null, as the default: the form shows an array param's null as "[]" (Airflow 3.3)
-    capture_layers: list[int] | str | None = knob(
-        AUTO, min=1, param="capture_layers", section="Run", pattern="^auto$",
-        schema={"type": ["string", "array", "null"], "minItems": 1, "maxItems": 8},
-        help="HF hidden_states indices to capture, ascending (1..L-1), e.g. [2, 15, 27]; auto (or null) = "
-             "EAGLE-3's [2, L//2, L-3].")
     datasets: list[dict] = knob(default_factory=demo_datasets, param="datasets", section="Data generation",
                                 items=DATASET_SCHEMA, schema={"minItems": 1},
                                 help="Prompt datasets, one generation task each (fields: docs/datagen.md).")
@@ -85,6 +79,10 @@ class RunConfig:
 
     def __post_init__(self):
         check_knobs(self, "run")
+
+    @property
+    def dir(self) -> str:
+        return f"{self.output_root}/{self.run_name}"
 
 
 def default_eval_prompts() -> str:
@@ -95,13 +93,22 @@ def default_eval_prompts() -> str:
 
 
 # Form-only defaults: what the trigger form shows where the core's own default is no file of this repo. The
-# evaluation stays small (1 MT-bench question: 2 answers, at 2 ks, no more decoding than the former 4 one-turn
-# prompts at one k) so a CPU run is not slower; a GPU run sets eval_max_prompts 0 for all 80 questions.
+# evaluation stays small (1 MT-bench question: 2 answers, at 2 ks) so a CPU run is not slower; a GPU run sets
+# eval_max_prompts 0 for all 80 questions.
 FORM_DEFAULTS = {"eval_prompts": default_eval_prompts, "eval_max_prompts": 1}
 
+SHARED = {"run": RunSection, "target": TargetConfig, "data": DataConfig}
+PHASES: dict[str, type] = {"preflight": PreflightConfig, "datagen": DatagenConfig, "merge": MergeConfig,
+                           "plan": ShardPlanConfig, "extract": ExtractConfig, "train": TrainConfig,
+                           "evaluate": EvalConfig}
+# each phase's paths inside the run folder
+PHASE_PATHS: dict[str, dict[str, Any]] = {
+    "preflight": {"output_dir": "preflight"}, "datagen": {"output_dir": "datagen"},
+    "merge": {"inputs": ["datagen"], "output_dir": "merge"}, "plan": {"merge_dir": "merge"},
+    "extract": {"extract_dir": "extract"}, "train": {"output_dir": "train"},
+    "evaluate": {"export_dir": "train/export", "output_dir": "evaluate"}}
 FORM_SECTIONS = ("Run", "Data generation", "Merge", "Extraction", "Training", "Evaluation")
-FORM_CLASSES = (RunConfig, PreflightConfig, DatagenConfig, MergeConfig, ShardPlanConfig, ExtractConfig, TrainConfig,
-                EvalConfig)
+FORM_CLASSES = (*SHARED.values(), *PHASES.values())
 
 
 # GPUs a task holds, in slots of the `gpu` pool. The scheduler reserves a task's slots before it runs, so they are
@@ -128,20 +135,20 @@ def gpu_slots(env: Mapping[str, str] | None = None) -> dict[str, int]:
     return out
 
 
+# (form param, task whose slots bound it, what one unit needs, the doc that says how to raise the slots)
+POOLED_COUNTS = (("extract_tp_size", "extract", "GPUs per shard", "docs/operations.md"),
+                 ("train_num_gpus", "train", "GPUs", "docs/train.md"))
+
+
 def check_pool_slots(params: Mapping[str, Any], slots: Mapping[str, int]) -> None:
-    """A shard with tp_size N runs N ranks on N GPUs: its task must hold at least N slots of the gpu pool."""
-    tp = params.get("extract_tp_size", 1)
-    if isinstance(tp, int) and tp > slots["extract"]:
-        raise ConfigError(f"extract_tp_size={tp} needs {tp} GPUs per shard, but the extract task holds "
-                          f"{slots['extract']} slot(s) of the gpu pool ({GPU_SLOT_ENV['extract']}={slots['extract']} "
-                          f"when the DAG was parsed): set {GPU_SLOT_ENV['extract']}={tp} on the scheduler and "
-                          f"workers (docs/operations.md), or lower extract_tp_size")
-    n = params.get("train_num_gpus", 1)
-    if isinstance(n, int) and n > slots.get("train", 1):
-        raise ConfigError(f"train_num_gpus={n} needs {n} GPUs, but the train task holds {slots.get('train', 1)} "
-                          f"slot(s) of the gpu pool ({GPU_SLOT_ENV['train']}={slots.get('train', 1)} when the DAG "
-                          f"was parsed): set {GPU_SLOT_ENV['train']}={n} on the scheduler and workers "
-                          f"(docs/train.md), or lower train_num_gpus")
+    """A shard with tp_size N runs N ranks on N GPUs: its task must hold at least N slots of the gpu pool (and
+    training on N GPUs likewise)."""
+    for param, task, unit, doc in POOLED_COUNTS:
+        n, held, var = params.get(param, 1), slots.get(task, 1), GPU_SLOT_ENV[task]
+        if isinstance(n, int) and n > held:
+            raise ConfigError(f"{param}={n} needs {n} {unit}, but the {task} task holds {held} slot(s) of the gpu "
+                              f"pool ({var}={held} when the DAG was parsed): set {var}={n} on the scheduler and "
+                              f"workers ({doc}), or lower {param}")
 
 
 def form_params() -> dict[str, dict]:
@@ -153,90 +160,6 @@ def form_params() -> dict[str, dict]:
     return dict(sorted(out.items(), key=lambda kv: FORM_SECTIONS.index(kv[1]["section"])))  # stable within one
 
 
-# -- where each phase config's fields come from ----------------------------------------------------------------
-
-@dataclass(frozen=True)
-class FromParam:
-    name: str  # a trigger-form param
-
-
-@dataclass(frozen=True)
-class InRunDir:
-    sub: str  # a path inside the run folder
-
-
-@dataclass(frozen=True)
-class ModelFact:
-    key: str  # a fact preflight resolved once (its XCom): of the model, or the datagen server "auto" chose
-
-
-PHASE_CLASSES: dict[str, type] = {"preflight": PreflightConfig, "datagen": DatagenConfig, "merge": MergeConfig,
-                                  "plan": ShardPlanConfig, "extract": ExtractConfig, "train": TrainConfig,
-                                  "evaluate": EvalConfig}
-FACTS_TASK = "preflight"  # the task whose XCom holds the model facts
-MODEL = FromParam("model_path")
-PHASE_SOURCES: dict[str, dict[str, Any]] = {
-    "preflight": {"model_path": MODEL, "output_dir": InRunDir("preflight"),
-                  "capture_layers": FromParam("capture_layers"), "tp_size": FromParam("extract_tp_size")},
-    # the local server's "auto" values, resolved once by preflight (eagle3.datagen.auto_server)
-    "datagen": {"output_dir": InRunDir("datagen"), "tokenizer_path": MODEL, "model_path": MODEL,
-                "server_command": ModelFact("server_command"), "gguf": ModelFact("gguf"),
-                "served_model_name": ModelFact("served_model_name")},
-    "merge": {"inputs": [InRunDir("datagen")], "output_dir": InRunDir("merge"), "vocab_size": ModelFact("vocab_size"),
-              "hidden_size": ModelFact("hidden_size"), "num_capture_layers": ModelFact("num_capture_layers")},
-    "plan": {"merge_dir": InRunDir("merge")},
-    "extract": {"model_path": MODEL, "extract_dir": InRunDir("extract"),
-                "capture_layers": ModelFact("capture_layers")},
-    # the training cap is merge's cap: samples merge kept whole are trained whole
-    "train": {"model_path": MODEL, "output_dir": InRunDir("train"), "max_seq_len": FromParam("max_seq_len")},
-    "evaluate": {"export_dir": InRunDir("train/export"), "model_path": MODEL, "output_dir": InRunDir("evaluate"),
-                 "tp_size": FromParam("extract_tp_size")},  # the target on as many GPUs as extraction used
-}
-
-
-def _form_fields(cls) -> dict[str, str]:
-    """{field: form name} of the knobs of `cls` that are in the trigger form."""
-    return {f.name: f.metadata["eagle3_knob"]["param"] for f in dataclasses.fields(cls)
-            if f.metadata.get("eagle3_knob", {}).get("param")}
-
-
-def _sources(phase: str) -> dict[str, Any]:
-    if phase not in PHASE_CLASSES:
-        raise ConfigError(f"unknown phase {phase!r}; phases: {list(PHASE_CLASSES)}")
-    return {**{f: FromParam(p) for f, p in _form_fields(PHASE_CLASSES[phase]).items()}, **PHASE_SOURCES[phase]}
-
-
-def run_dir(params: Mapping[str, Any], run_id: str) -> str:
-    """The run folder: `<output_root>/<run_name, or the run id made path-safe>` (the DAG and the plugin)."""
-    name = params.get("run_name") or run_id.replace(":", "-").replace("+", "-")
-    return f"{params['output_root']}/{name}"
-
-
-def _template(src: Any) -> Any:
-    if isinstance(src, list):
-        return [_template(s) for s in src]
-    if isinstance(src, FromParam):
-        return "{{ params.%s }}" % src.name
-    if isinstance(src, InRunDir):
-        return "{{ run_dir(params, run_id) }}/" + src.sub
-    return "{{ ti.xcom_pull(task_ids='%s')['%s'] }}" % (FACTS_TASK, src.key)
-
-
-def phase_template(phase: str) -> dict[str, Any]:
-    """The operator's `config` as Jinja templates (render them with the `run_dir` macro and native objects)."""
-    return {name: _template(src) for name, src in _sources(phase).items()}
-
-
-def _value(src: Any, params: Mapping[str, Any], run_id: str, facts: Mapping[str, Any]) -> Any:
-    if isinstance(src, list):
-        return [_value(s, params, run_id, facts) for s in src]
-    if isinstance(src, FromParam):
-        return params[src.name]
-    if isinstance(src, InRunDir):
-        return f"{run_dir(params, run_id)}/{src.sub}"
-    return facts[src.key]
-
-
 def with_form_defaults(params: Mapping[str, Any]) -> dict[str, Any]:
     """The params a run sees: the form's defaults, then the run's conf (an unknown name is an error)."""
     form = form_params()
@@ -246,81 +169,182 @@ def with_form_defaults(params: Mapping[str, Any]) -> dict[str, Any]:
     return {**{n: p["default"] for n, p in form.items()}, **params}
 
 
-def phase_values(phase: str, params: Mapping[str, Any], run_id: str, facts: Mapping[str, Any]) -> dict[str, Any]:
-    """The same config as plain values: what the rendered `phase_template` gives."""
-    return {name: _value(src, params, run_id, facts) for name, src in _sources(phase).items()}
+def run_dir(params: Mapping[str, Any], run_id: str) -> str:
+    """The run folder: `<output_root>/<run_name, or the run id made path-safe>` (the run config and the plugin)."""
+    return f"{params['output_root']}/{params.get('run_name') or safe_run_name(run_id)}"
 
 
-def model_facts(model_path: str, capture_layers: list[int] | str | None) -> dict[str, Any]:
-    """What later phases need to know of the model, resolved once (preflight's XCom holds the same)."""
-    from eagle3.models import model_info, resolve_capture_layers
-
-    info = model_info(model_path)
-    layers = resolve_capture_layers(None if capture_layers == AUTO else capture_layers, info)
-    return {"capture_layers": layers, "num_capture_layers": len(layers), "hidden_size": info.hidden_size,
-            "vocab_size": info.vocab_size, "num_layers": info.num_layers}
+def safe_run_name(run_id: str) -> str:
+    return run_id.replace(":", "-").replace("+", "-")
 
 
-def datagen_server_facts(params: Mapping[str, Any], model_path: str, problems: list[str]) -> dict[str, Any]:
-    """The datagen server's "auto" values resolved (and why), or the params as given plus the problem."""
-    names = ("server_command", "gguf", "served_model_name")
-    try:
-        choice = resolve_server(params["datagen_mode"], model_path, *(params[n] for n in names))
-    except ConfigError as e:
-        problems.append(str(e))
-        return {n: params[n] for n in names} | {"datagen_server": f"datagen: not resolved ({e})"}
-    return {n: getattr(choice, n) for n in names} | {"datagen_server": choice.summary()}
+def _form_values(cls, params: Mapping[str, Any]) -> dict[str, Any]:
+    """{field: the form's value} for the knobs of `cls` that are in the trigger form. A form number field may
+    arrive as text ("16") where the knob takes a number or "auto": it is read as the number here, once."""
+    out = {}
+    for f in dataclasses.fields(cls):
+        name = f.metadata.get("eagle3_knob", {}).get("param")
+        if name:
+            value = params[name]
+            out[f.name] = int(value) if isinstance(value, str) and value.strip().isdigit() and f.type in (
+                "str | int", "int | str") else value
+    return out
 
 
-TRAIN_FIXED = ("shard_dirs", "model_path", "output_dir", "max_seq_len")  # set by the run, not by train_overrides
+TRAIN_SET_BY_RUN = ("target", "data", "shard_dirs", "output_dir")  # not from train_overrides
 
 
 def train_overrides_checked(overrides: Mapping[str, Any]) -> dict[str, Any]:
-    fixed = sorted(set(overrides) & set(TRAIN_FIXED))
+    fixed = sorted(set(overrides) & set(TRAIN_SET_BY_RUN))
+    if "max_seq_len" in overrides or "model_path" in overrides:
+        fixed += [k for k in ("max_seq_len", "model_path") if k in overrides]
     if fixed:
-        raise ConfigError(f"train_overrides cannot set {fixed}: the run sets them (max_seq_len follows the "
-                          f"form's max_seq_len, the merge cap)")
+        raise ConfigError(f"train_overrides cannot set {sorted(fixed)}: the run sets them (max_seq_len is the "
+                          f"form's max_seq_len, the merge cap; model_path the form's model_path)")
     return dict(overrides)
 
 
-def check_run(params: Mapping[str, Any], run_id: str, slots: Mapping[str, int] | None = None) -> dict[str, Any]:
-    """Build every phase's config from the form, check each and across phases; one ConfigError lists every
-    problem. Returns the model facts. Preflight runs it first, so a typo fails in seconds, not after hours.
+@dataclass(frozen=True)
+class RunConfig:
+    run: RunSection
+    target: TargetConfig
+    data: DataConfig
+    preflight: PreflightConfig
+    datagen: DatagenConfig
+    merge: MergeConfig
+    plan: ShardPlanConfig
+    extract: ExtractConfig
+    train: TrainConfig
+    evaluate: EvalConfig
+
+    @classmethod
+    def from_params(cls, params: Mapping[str, Any], run_id: str) -> RunConfig:
+        """Every section from the trigger form's values (the form's defaults under them); one ConfigError lists
+        every problem, naming the section and param."""
+        params = with_form_defaults(params)
+        problems: list[str] = []
+        shared: dict[str, Any] = {}
+        for name, section in SHARED.items():
+            try:
+                shared[name] = build(section, _form_values(section, params), where=name)
+            except ConfigError as e:
+                problems.append(str(e))
+        run = shared.get("run")
+        if run is not None and not run.run_name:
+            shared["run"] = run = dataclasses.replace(run, run_name=safe_run_name(run_id))
+        if run is not None:
+            for i, d in enumerate(run.datasets):
+                try:
+                    DatasetSpec.from_dict(d, where=f"params.datasets[{i}]")
+                except ConfigError as e:
+                    problems.append(str(e))
+        phases: dict[str, Any] = {}
+        if len(shared) == len(SHARED):
+            for phase, phase_cls in PHASES.items():
+                try:
+                    values = _form_values(phase_cls, params)
+                    if phase == "train":
+                        values.update(train_overrides_checked(run.train_overrides))
+                    phases[phase] = build(phase_cls, {**values, **_wiring(phase, shared)}, where=phase)
+                except ConfigError as e:
+                    problems.append(str(e))
+        if problems:
+            raise ConfigError("the run's params are invalid:\n  - " + "\n  - ".join(problems))
+        return cls(**shared, **phases)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> RunConfig:
+        """The configuration from its `to_dict` (an XCom): every section built and checked again."""
+        unknown = sorted(set(d) - set(SHARED) - set(PHASES))
+        if unknown:
+            raise ConfigError(f"run config: unknown section(s) {unknown}")
+        return cls(**{name: build(c, dict(d[name]), where=name) for name, c in {**SHARED, **PHASES}.items()})
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-able: each section as an object; a phase's object holds the shared sections it reads, so one
+        phase's part is all its task needs."""
+        return {f.name: dataclasses.asdict(getattr(self, f.name)) for f in dataclasses.fields(self)}
+
+    def phase(self, name: str):
+        if name not in PHASES:
+            raise ConfigError(f"unknown phase {name!r}; phases: {list(PHASES)}")
+        return getattr(self, name)
+
+    def with_shared(self, **sections: Any) -> RunConfig:
+        """A copy whose phases read the given shared sections (e.g. the resolved target)."""
+        shared = {name: sections.get(name, getattr(self, name)) for name in SHARED}
+        phases = {p: dataclasses.replace(getattr(self, p), **{k: v for k, v in _wiring(p, shared).items()
+                                                               if k in ("target", "data")})
+                  for p in PHASES}
+        return dataclasses.replace(self, **shared, **phases)
+
+
+def _wiring(phase: str, shared: Mapping[str, Any]) -> dict[str, Any]:
+    """The fields of a phase's config that the run sets: the shared sections it reads, its run-folder paths, and
+    values derived from other sections (merge's extraction estimate uses extraction's storage dtype)."""
+    fields = {f.name for f in dataclasses.fields(PHASES[phase])}
+    out = {k: v for k, v in shared.items() if k in fields}
+    base = shared["run"].dir
+    for key, sub in PHASE_PATHS[phase].items():
+        out[key] = [f"{base}/{s}" for s in sub] if isinstance(sub, list) else f"{base}/{sub}"
+    return out
+
+
+FACTS_TASK = "preflight"  # the task whose XCom holds the resolved run configuration
+
+
+def phase_config(phase: str) -> str:
+    """The template of a task's config: its phase's part of the resolved run configuration in preflight's XCom
+    (the DAG renders it as the native dict)."""
+    if phase not in PHASES:
+        raise ConfigError(f"unknown phase {phase!r}; phases: {list(PHASES)}")
+    return "{{ ti.xcom_pull(task_ids='%s')['run_config']['%s'] }}" % (FACTS_TASK, phase)
+
+
+def resolve(cfg: RunConfig) -> tuple[RunConfig, list[str]]:
+    """The configuration every task gets, resolved once: the target's capture layers and facts (config.json),
+    the datagen server's "auto" values; plus the notes preflight logs (what "auto" chose and why). One
+    ConfigError lists every problem."""
+    from eagle3.train.serving import serving_problems
+
+    problems, notes = [], []
+    try:
+        target = cfg.target.resolved()
+    except ConfigError as e:
+        problems.append(str(e))
+        target = None
+    dg = cfg.datagen
+    try:
+        choice = resolve_server(dg.mode, cfg.target.model_path, dg.server_command, dg.gguf, dg.served_model_name)
+        dg = dataclasses.replace(dg, server_command=choice.server_command, gguf=choice.gguf,
+                                 served_model_name=choice.served_model_name)
+        notes.append(choice.summary())
+    except ConfigError as e:
+        problems.append(str(e))
+    if target is not None:
+        for engine, problem in serving_problems(target.capture_layers, target.architecture).items():
+            (problems if engine in cfg.preflight.serving_engines else notes).append(problem)
+    if problems:
+        raise ConfigError("the run's params are invalid:\n  - " + "\n  - ".join(problems))
+    merge = dataclasses.replace(cfg.merge, storage_dtype=cfg.extract.storage_dtype)
+    return dataclasses.replace(cfg, datagen=dg, merge=merge).with_shared(target=target), notes
+
+
+def check_run(params: Mapping[str, Any], run_id: str,
+              slots: Mapping[str, int] | None = None) -> tuple[RunConfig, list[str]]:
+    """Build the run's configuration from the form, check every section and across them, and resolve it; one
+    ConfigError lists every problem. Preflight runs it first, so a typo fails in seconds, not after hours.
     `slots`: the DAG's gpu pool slots per task (gpu_slots), checked against the form's GPU counts."""
     problems: list[str] = []
     if slots is not None:
         try:
-            check_pool_slots(params, slots)
+            check_pool_slots(with_form_defaults(params), slots)
         except ConfigError as e:
             problems.append(str(e))
     try:
-        params = with_form_defaults(params)
-        run = build(RunConfig, {f: params[p] for f, p in _form_fields(RunConfig).items()}, where="run")
+        cfg, notes = resolve(RunConfig.from_params(params, run_id))
     except ConfigError as e:
-        raise ConfigError(f"run params: {e}") from e
-    try:
-        facts = model_facts(run.model_path, run.capture_layers)
-    except ConfigError as e:
-        problems.append(str(e))
-        layers = run.capture_layers if isinstance(run.capture_layers, list) else [1]
-        facts = {"capture_layers": layers, "num_capture_layers": len(layers),
-                 "hidden_size": None, "vocab_size": None, "num_layers": None}
-    facts.update(datagen_server_facts(params, run.model_path, problems))
-    for i, d in enumerate(run.datasets):
-        try:
-            DatasetSpec.from_dict(d, where=f"params.datasets[{i}]")
-        except ConfigError as e:
-            problems.append(str(e))
-    for phase, cls in PHASE_CLASSES.items():
-        values = phase_values(phase, params, run_id, facts)
-        if phase == "train":
-            values["shard_dirs"] = ["<extracted shards>"]
-        try:
-            if phase == "train":
-                values.update(train_overrides_checked(run.train_overrides))
-            build(cls, values, where=phase)
-        except ConfigError as e:
-            problems.append(str(e))
+        problems.append(str(e).removeprefix("the run's params are invalid:\n  - "))
     if problems:
         raise ConfigError("the run's params are invalid:\n  - " + "\n  - ".join(problems))
-    return facts
+    return cfg, notes

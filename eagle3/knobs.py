@@ -137,7 +137,18 @@ def build(cls, values: Any, where: str):
                and f.default_factory is dataclasses.MISSING]
     if missing:
         raise ConfigError(f"{where}: missing required param(s) {missing}")
+    hints = _hints(cls)
+    values = {k: _section(hints[k], v, f"{where}.{k}") for k, v in values.items()}
     return cls(**values)
+
+
+def _section(tp, value: Any, where: str) -> Any:
+    """A shared section given as an object (a JSON round trip of the run configuration) built as its dataclass."""
+    if isinstance(value, dict):
+        for a in _union_args(tp):
+            if dataclasses.is_dataclass(a):
+                return build(a, value, where)
+    return value
 
 
 def _json_type(tp) -> list[str]:

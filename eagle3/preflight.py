@@ -21,7 +21,10 @@ from eagle3.fit import (check_fits, check_fp8_device, check_tp_divides, load_con
                         weight_estimate)
 from eagle3.io import atomic_write_json
 from eagle3.knobs import check_knobs, knob
-from eagle3.models import model_info, resolve_capture_layers
+from eagle3.extract.format import bytes_per_token
+from eagle3.models import model_info
+from eagle3.sections import TargetConfig
+from eagle3.train.serving import ENGINES, sglang_layer_ids, vllm_layer_ids
 
 log = logging.getLogger(__name__)
 
@@ -31,26 +34,26 @@ NVIDIA_SMI_QUERY = "index,name,memory.total,memory.used,driver_version,compute_c
 
 @dataclass
 class PreflightConfig:
-    model_path: str = knob(help="HF-format folder of the target model")
     output_dir: str = knob(help="where preflight.json goes")
-    capture_layers: list[int] | str | None = knob(None, min=1, help="HF hidden_states indices; None or 'auto' = "
-                                                                     "[2, L//2, L-3]")
     estimated_tokens: int = knob(0, min=0, param="estimated_tokens", section="Run",
                                  help="Tokens expected for extraction; preflight checks free disk against it "
                                       "(0 = no disk estimate).")
-    bytes_per_value: int = knob(2, min=1, help="bytes of one stored hidden-state value (2 = bf16/fp16)")
     allow_cpu: bool = knob(True, param="allow_cpu", section="Run",
                            help="Run on the CPU when no GPU is found (the demo); off = a run without a GPU fails "
                                 "in preflight (a GPU worker that lost its GPUs).")
     min_gpus: int = knob(1, min=0, help="GPUs the run needs unless allow_cpu")
     disk_headroom: float = knob(1.1, min=1.0, help="ask for this multiple of the disk estimate")
-    tp_size: int = knob(1, min=1, max=64, help="The tensor-parallel size extraction loads the target with "
-                                               "(the form's extract_tp_size): checked against heads, GPUs, memory.")
     fit_headroom: float = knob(0.8, gt=0, max=1, help="The target's weights per GPU must fit this fraction of the "
                                                       "free GPU memory (activations and the CUDA context need the rest).")
+    serving_engines: list[str] = knob(default_factory=lambda: ["sglang"], choices=ENGINES,
+                                      help="Engines the drafter must be servable by: a capture-layer or target "
+                                           "problem for one of them fails preflight (for the others: a note).")
 
     def __post_init__(self):
         check_knobs(self, "preflight")
+        bad = sorted(set(self.serving_engines) - set(ENGINES))
+        if bad:
+            raise ConfigError(f"preflight param serving_engines: unknown engine(s) {bad}; use {list(ENGINES)}")
 
 
 class PreflightError(PipelineError):
@@ -58,11 +61,6 @@ class PreflightError(PipelineError):
         self.failures = failures
         self.report = report
         super().__init__("preflight failed:\n  - " + "\n  - ".join(failures))
-
-
-def extraction_bytes(tokens: int, num_capture_layers: int, hidden_size: int, bytes_per_value: int = 2) -> int:
-    """Bytes of hidden states for `tokens`: the capture layers plus the final state, per token."""
-    return int(tokens) * (num_capture_layers + 1) * hidden_size * bytes_per_value
 
 
 def parse_nvidia_smi(text: str) -> list[dict]:
@@ -135,14 +133,14 @@ def _existing_parent(path: Path) -> Path:
     return path
 
 
-def check_model(cfg: PreflightConfig, failures: list[str]) -> dict:
+def check_model(target: TargetConfig, failures: list[str]) -> dict:
     try:
-        info = model_info(cfg.model_path)
+        info = model_info(target.model_path)
     except ConfigError as e:
         failures.append(str(e))
         return {}
     out = {"info": info.to_dict()}
-    path = Path(cfg.model_path)
+    path = Path(target.model_path)
     weights = sorted(path.glob("*.safetensors")) + sorted(path.glob("*.bin"))
     if not weights:
         failures.append(f"model_path {path}: no *.safetensors or *.bin weight files")
@@ -161,26 +159,26 @@ def check_model(cfg: PreflightConfig, failures: list[str]) -> dict:
     if not has_template:
         failures.append(f"model_path {path}: the tokenizer has no chat template (chat_template.jinja or tokenizer_config.json)")
     out["chat_template"] = has_template
-    try:
-        out["capture_layers"] = resolve_capture_layers(None if cfg.capture_layers == "auto" else cfg.capture_layers,
-                                                       info)
-        out["sglang_aux_layer_ids"] = [i - 1 for i in out["capture_layers"]]
-    except ConfigError as e:
-        failures.append(str(e))
+    if isinstance(target.capture_layers, list):  # resolved (TargetConfig.resolved): what serving engines get
+        out["capture_layers"] = target.capture_layers
+        out["sglang_aux_layer_ids"] = sglang_layer_ids(target.capture_layers, info.architecture)
+        out["vllm_aux_layer_ids"] = vllm_layer_ids(target.capture_layers)
     return out
 
 
-def check_disk(cfg: PreflightConfig, n_layers: int, hidden: int, failures: list[str]) -> dict:
+def check_disk(cfg: PreflightConfig, n_layers: int, hidden: int, storage_dtype: str, failures: list[str]) -> dict:
     where = _existing_parent(Path(cfg.output_dir))
     usage = shutil.disk_usage(where)
-    need = extraction_bytes(cfg.estimated_tokens, n_layers, hidden, cfg.bytes_per_value)
+    per_token = bytes_per_token(n_layers, hidden, storage_dtype)
+    need = cfg.estimated_tokens * per_token
     out = {"path": str(where), "free_bytes": usage.free, "estimated_extraction_bytes": need,
-           "required_bytes": int(need * cfg.disk_headroom)}
+           "bytes_per_token": per_token, "required_bytes": int(need * cfg.disk_headroom)}
     if need and usage.free < out["required_bytes"]:
         failures.append(
             f"not enough disk at {where}: extraction needs ~{need / 1e9:.2f} GB "
-            f"({cfg.estimated_tokens} tokens x {n_layers + 1} states x {hidden} hidden x {cfg.bytes_per_value} B, "
-            f"+{(cfg.disk_headroom - 1) * 100:.0f}% headroom) but only {usage.free / 1e9:.2f} GB is free"
+            f"({cfg.estimated_tokens} tokens x {per_token} B: {n_layers + 1} states x {hidden} hidden in "
+            f"{storage_dtype} storage, +{(cfg.disk_headroom - 1) * 100:.0f}% headroom) but only "
+            f"{usage.free / 1e9:.2f} GB is free"
         )
     return out
 
@@ -188,34 +186,38 @@ def check_disk(cfg: PreflightConfig, n_layers: int, hidden: int, failures: list[
 TP_PARAM = "extract_tp_size"
 
 
-def check_fit(cfg: PreflightConfig, gpus: list[dict], n_gpus: int, failures: list[str]) -> dict:
+def check_fit(cfg: PreflightConfig, target: TargetConfig, gpus: list[dict], n_gpus: int,
+              failures: list[str]) -> dict:
     """What fits, from config.json alone: tp_size against heads/kv heads/experts and the GPUs; the weights per GPU
     at tp_size against the least free memory of the GPUs, and the smallest tp_size that fits."""
+    tp_size = target.tp_size
     try:
-        mcfg = load_config(cfg.model_path)
-        check_tp_divides(mcfg, cfg.tp_size, TP_PARAM, where=str(cfg.model_path))
+        mcfg = load_config(target.model_path)
+        check_tp_divides(mcfg, tp_size, TP_PARAM, where=str(target.model_path))
     except (ConfigError, KeyError) as e:
         if isinstance(e, ConfigError) and TP_PARAM in str(e):
             failures.append(str(e))
         return {}
-    est = weight_estimate(mcfg, cfg.tp_size, "bfloat16")
-    out = {"tp_size": cfg.tp_size, **est.to_dict()}
-    if n_gpus and cfg.tp_size > n_gpus:
-        failures.append(f"{TP_PARAM}={cfg.tp_size} needs {cfg.tp_size} GPUs, but this worker sees {n_gpus}")
+    est = weight_estimate(mcfg, tp_size, "bfloat16")
+    out = {"tp_size": tp_size, **est.to_dict()}
+    if n_gpus and tp_size > n_gpus:
+        failures.append(f"{TP_PARAM}={tp_size} needs {tp_size} GPUs, but this worker sees {n_gpus}")
     free = [(g["memory_total_mib"] - g["memory_used_mib"]) * 2**20 for g in gpus]
     if free:
         out["free_bytes_per_gpu"] = min(free)
         out["smallest_tp_size"] = smallest_fitting_tp(mcfg, min(free), cfg.fit_headroom, dtype="bfloat16")
         try:
-            check_fits(mcfg, cfg.tp_size, min(free), TP_PARAM, cfg.fit_headroom, dtype="bfloat16", gpus=len(gpus))
+            check_fits(mcfg, tp_size, min(free), TP_PARAM, cfg.fit_headroom, dtype="bfloat16", gpus=len(gpus))
         except ConfigError as e:
             failures.append(str(e))
     return out
 
 
-def run_preflight(cfg: PreflightConfig, nvidia_smi: str | None = "nvidia-smi", notes: list[str] | None = None) -> dict:
-    """Run every check, write `<output_dir>/preflight.json`, raise PreflightError listing all failures.
-    `notes`: what the run chose before (the datagen server "auto" picked), shown in the summary."""
+def run_preflight(cfg: PreflightConfig, target: TargetConfig, storage_dtype: str = "auto",
+                  nvidia_smi: str | None = "nvidia-smi", notes: list[str] | None = None) -> dict:
+    """Run every check of the machine against the run's (resolved) target, write `<output_dir>/preflight.json`,
+    raise PreflightError listing all failures. `storage_dtype`: extraction's, for the disk estimate. `notes`:
+    what the run chose before (the datagen server "auto" picked), shown in the summary."""
     failures: list[str] = []
     report: dict = {"host": platform.node(), "python": platform.python_version(), "notes": list(notes or [])}
     report["gpu"] = gpu_report(nvidia_smi)
@@ -228,18 +230,17 @@ def run_preflight(cfg: PreflightConfig, nvidia_smi: str | None = "nvidia-smi", n
         failures.append(
             f"found {n_gpus} usable GPU(s) (torch.cuda), need {cfg.min_gpus}; set allow_cpu=true to run on the CPU"
         )
-    report["model"] = check_model(cfg, failures)
-    report["fit"] = check_fit(cfg, report["gpu"]["gpus"], n_gpus, failures)
+    report["model"] = check_model(target, failures)
+    report["fit"] = check_fit(cfg, target, report["gpu"]["gpus"], n_gpus, failures)
     if not n_gpus:
         try:
-            check_fp8_device(load_config(cfg.model_path), "cpu", cfg.model_path)
+            check_fp8_device(load_config(target.model_path), "cpu", target.model_path)
         except ConfigError as e:
             if "FP8" in str(e):  # an unreadable config.json is check_model's to report
                 failures.append(str(e))
     info = report["model"].get("info")
-    if info:
-        n_layers = len(report["model"].get("capture_layers") or [0, 0, 0])
-        report["disk"] = check_disk(cfg, n_layers, info["hidden_size"], failures)
+    if info and isinstance(target.capture_layers, list):
+        report["disk"] = check_disk(cfg, len(target.capture_layers), info["hidden_size"], storage_dtype, failures)
     report["failures"] = failures
     report["ok"] = not failures
     out = Path(cfg.output_dir)

@@ -1,8 +1,9 @@
 """The one shape every eagle3 operator has, as Airflow providers write them.
 
-An operator templates one thing, its phase config (a dict the DAG builds with eagle3.config), builds the
-core's config dataclass from it (an unknown key is a ConfigError naming it), calls the core and returns a
-small JSON-able summary. A ConfigError is the user's input, which no retry changes: it becomes
+An operator templates one thing, its phase config: its part of the run configuration that preflight resolved
+(eagle3.config.RunConfig, pulled from preflight's XCom as a native dict: `phase_config(name)`), or a dict of the
+phase's fields when the operator is used on its own. It builds the core's config dataclass from it (an unknown
+key is a ConfigError naming it), calls the core and returns a small JSON-able summary. A ConfigError is the user's input, which no retry changes: it becomes
 AirflowFailException, so the task fails at once instead of retrying. Faults (a killed worker, a flaky
 endpoint) stay ordinary exceptions and keep their retries. Hugging Face libraries' output goes through the
 task log at its own level (hf_output_to_task_log).
@@ -37,7 +38,8 @@ class Eagle3Operator(BaseOperator, Generic[C]):
         """The phase config from the rendered template (plus mapped values in `extra`)."""
         values = rendered(self.config)
         if not isinstance(values, dict):
-            raise ConfigError(f"task {self.task_id}: its config rendered to {type(values).__name__}, not an object")
+            raise ConfigError(f"task {self.task_id}: its config rendered to {type(values).__name__}, not an object "
+                              f"(a DAG renders it natively with render_template_as_native_obj=True)")
         return build(self.config_class, {**values, **extra}, where=self.task_id)
 
     def execute(self, context: Context) -> Any:

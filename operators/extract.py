@@ -42,7 +42,7 @@ class ExtractShardOperator(Eagle3Operator[ExtractConfig]):
         self.shard = shard
 
     def run(self, cfg: ExtractConfig, context: Context) -> dict:
-        from eagle3.extract.extractor import extract_shard
+        from eagle3.extract.run import extract_shard
         from eagle3.extract.plan import ShardSpec
         from operators._render import rendered
 

@@ -22,7 +22,7 @@ from airflow.api_fastapi.core_api.security import get_user
 from airflow.plugins_manager import AirflowPlugin
 
 from eagle3.config import run_dir, with_form_defaults
-from eagle3.monitor import human_bytes, run_progress
+from eagle3.extract.status import human_bytes, run_progress
 
 SHARD_TASK_IDS = ("extract", "extract_shard")  # the mapped per-shard task of eagle3_drafter / the demo DAG
 PREFIX = "/eagle3"

@@ -5,7 +5,8 @@ from typing import Any, Mapping, Sequence
 from airflow.sdk import Asset, Context
 from airflow.sdk.exceptions import AirflowNotFoundException
 
-from eagle3.train.config import EvalConfig, TrainConfig
+from eagle3.evaluate.config import EvalConfig
+from eagle3.train.config import TrainConfig
 from operators.base import Eagle3Operator
 
 # The exported drafter, as an Airflow Asset: the train task is its producer (outlet), so a DAG scheduled on it
@@ -22,23 +23,20 @@ class TrainDrafterOperator(Eagle3Operator[TrainConfig]):
     """
 
     config_class = TrainConfig
-    template_fields: Sequence[str] = ("config", "shard_dirs", "overrides")
+    template_fields: Sequence[str] = ("config", "shard_dirs")
     ui_color = "#fde2c8"
 
-    def __init__(self, *, shard_dirs: Sequence[str | Mapping[str, Any]] | str,
-                 overrides: Mapping[str, Any] | str | None = None, mlflow_conn_id: str | None = None,
+    def __init__(self, *, shard_dirs: Sequence[str | Mapping[str, Any]] | str, mlflow_conn_id: str | None = None,
                  **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.shard_dirs = shard_dirs  # shard folders, or the extract tasks' summaries ({"shard_dir": ...})
-        self.overrides = overrides  # the form's free TrainConfig fields (train_overrides)
         self.mlflow_conn_id = mlflow_conn_id
 
     def mapped_values(self) -> dict[str, Any]:
-        from eagle3.config import train_overrides_checked
         from operators._render import rendered
 
         dirs = sorted(str(d["shard_dir"] if isinstance(d, dict) else d) for d in rendered(self.shard_dirs))
-        return {**train_overrides_checked(rendered(self.overrides) or {}), "shard_dirs": dirs, **self._mlflow()}
+        return {"shard_dirs": dirs, **self._mlflow()}
 
     def _mlflow(self) -> dict[str, str]:
         """The MLflow config fields from the Connection; none (TensorBoard only) when it is not defined."""
@@ -88,7 +86,7 @@ class EvaluateDrafterOperator(Eagle3Operator[EvalConfig]):
     ui_color = "#d9e8f4"
 
     def run(self, cfg: EvalConfig, context: Context) -> dict:
-        from eagle3.train.run import evaluate_phase
+        from eagle3.evaluate.run import evaluate_phase
 
         r = evaluate_phase(cfg)
 

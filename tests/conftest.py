@@ -49,7 +49,7 @@ def smollm2_model(smollm2_path):
 @pytest.fixture(scope="session")
 def shards(tmp_path_factory, smollm2_model, smollm2_tokenizer, smollm2_path):
     """Real self-distillation data: SmolLM2 answers 24 prompts greedily, the reference oracle extracts."""
-    from eagle3.train import selfdistill as sd
+    from tests.support import selfdistill as sd
     from tests.train_helpers import CAPTURE
 
     samples = sd.generate_answers(smollm2_model, smollm2_tokenizer, sd.make_prompts(24), max_new_tokens=40)

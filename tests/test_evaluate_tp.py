@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tests.support.configs import phase
 
 
 @pytest.fixture(scope="module")
@@ -23,11 +24,11 @@ def export_dir(tmp_path_factory, smollm2_path):
 
 
 def test_tp3_evaluation_is_lossless_and_decodes_as_tp1(export_dir, smollm2_path, tmp_path):
-    from eagle3.train.config import EvalConfig
-    from eagle3.train.run import evaluate_phase
+    from eagle3.evaluate.config import EvalConfig
+    from eagle3.evaluate.run import evaluate_phase
 
     def run(tp: int) -> dict:
-        cfg = EvalConfig(export_dir=str(export_dir), model_path=str(smollm2_path), output_dir=str(tmp_path / f"tp{tp}"),
+        cfg = phase(EvalConfig, export_dir=str(export_dir), model_path=str(smollm2_path), output_dir=str(tmp_path / f"tp{tp}"),
                          prompts=["What is the capital of France?"], ks=[3], max_new_tokens=8, random_floor=False,
                          device="cpu", tp_size=tp, rank_timeout_s=300)
         return evaluate_phase(cfg)
@@ -41,10 +42,10 @@ def test_tp3_evaluation_is_lossless_and_decodes_as_tp1(export_dir, smollm2_path,
 
 def test_a_tp_size_that_does_not_divide_the_heads_is_refused(export_dir, smollm2_path, tmp_path):
     from eagle3.errors import ConfigError
-    from eagle3.train.config import EvalConfig
-    from eagle3.train.run import evaluate_phase
+    from eagle3.evaluate.config import EvalConfig
+    from eagle3.evaluate.run import evaluate_phase
 
-    cfg = EvalConfig(export_dir=str(export_dir), model_path=str(smollm2_path), output_dir=str(tmp_path),
+    cfg = phase(EvalConfig, export_dir=str(export_dir), model_path=str(smollm2_path), output_dir=str(tmp_path),
                      prompts=["Hi"], device="cpu", tp_size=2)
     with pytest.raises(ConfigError, match=r"extract_tp_size=2 does not divide the target's 9"):
         evaluate_phase(cfg)

@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 
 from eagle3.errors import ConfigError, PipelineError
-from eagle3.train.evaluation import (EvalConversation, TurnPrompt, answers_report, read_conversations, select)
-from eagle3.train.speculative import Answer, tau_of
+from eagle3.evaluate.evaluation import (EvalConversation, TurnPrompt, answers_report, read_conversations, select)
+from eagle3.evaluate.speculative import Answer, tau_of
+from tests.support.configs import phase
 
 EOS = 2
 
@@ -97,9 +98,9 @@ def two_questions(tmp_path: Path) -> Path:
 
 @pytest.mark.slow
 def test_turn_two_is_asked_after_the_targets_own_greedy_answer(trained, smollm2_model, smollm2_tokenizer):
-    from eagle3.train.evaluation import build_turn_prompts
+    from eagle3.evaluate.evaluation import build_turn_prompts
     from eagle3.train.export import load_exported
-    from eagle3.train.speculative import SequentialDecoder
+    from eagle3.evaluate.speculative import SequentialDecoder
 
     drafter, vocab, config = load_exported(trained[1]["export_dir"])
     dec = SequentialDecoder(smollm2_model, drafter, vocab, config["eagle3_pipeline"]["capture_layers"], EOS)
@@ -115,14 +116,14 @@ def test_turn_two_is_asked_after_the_targets_own_greedy_answer(trained, smollm2_
 
 @pytest.mark.slow
 def test_mtbench_evaluation_of_two_questions_is_lossless_at_each_k(trained, smollm2_path, tmp_path):
-    from eagle3.train.config import EvalConfig
-    from eagle3.train.run import evaluate_phase
+    from eagle3.evaluate.config import EvalConfig
+    from eagle3.evaluate.run import evaluate_phase
     from operators.train import EvaluateDrafterOperator
 
     params = {"export_dir": trained[1]["export_dir"], "model_path": str(smollm2_path),
               "output_dir": str(tmp_path / "eval"), "prompts_file": str(two_questions(tmp_path)), "ks": [2, 3],
               "max_new_tokens": 12, "floor_max_prompts": 2}
-    r = evaluate_phase(EvalConfig(**params))
+    r = evaluate_phase(phase(EvalConfig, **params))
     assert r["identical_to_greedy"] is True and r["conversations"] == 2 and r["answers"] == 4
     assert set(r["tau"]) == {"2", "3"} and set(r["tau_random_init"]) == {"2"}  # the floor at the first k
     for k, res in r["results"]["trained"]["by_k"].items():
@@ -150,9 +151,9 @@ def test_evaluation_writes_its_report_then_fails_when_not_lossless(trained, smol
     """A speculative answer that differs from greedy decoding fails the phase, naming k, question and turn,
     after every answer ran and the report (with the mismatches) was written; no report.json a re-run would
     take as done. The fault is injected into the decoder's output (turn 2 of the second question, k=3)."""
-    from eagle3.train import spec_batch
-    from eagle3.train.config import EvalConfig
-    from eagle3.train.run import evaluate_phase
+    from eagle3.evaluate import spec_batch
+    from eagle3.evaluate.config import EvalConfig
+    from eagle3.evaluate.run import evaluate_phase
 
     real = spec_batch.BatchedDecoder.speculate  # the DAG's decoder
 
@@ -163,7 +164,7 @@ def test_evaluation_writes_its_report_then_fails_when_not_lossless(trained, smol
         return out
 
     monkeypatch.setattr(spec_batch.BatchedDecoder, "speculate", one_wrong_token)
-    cfg = EvalConfig(export_dir=trained[1]["export_dir"], model_path=str(smollm2_path), output_dir=str(tmp_path),
+    cfg = phase(EvalConfig, export_dir=trained[1]["export_dir"], model_path=str(smollm2_path), output_dir=str(tmp_path),
                      prompts_file=str(two_questions(tmp_path)), ks=[2, 3], max_new_tokens=8, random_floor=False)
     with pytest.raises(PipelineError, match=r"not lossless\) on 1 of 8 answers.*'k': 3, .*'turn': 2, "
                                             r"'first_difference': 2"):

@@ -3,7 +3,7 @@ import torch
 
 from eagle3.extract.format import CorruptChunkError, ShardManifest, write_chunk
 from eagle3.extract.reader import HiddenStateReader
-from eagle3.extract.reference import reference_states
+from tests.support.reference import reference_states
 
 
 def make_chunk(model, samples, rows, layers):

@@ -6,7 +6,8 @@ import pytest
 from eagle3.errors import ConfigError, PipelineError
 from eagle3.extract.config import ShardPlanConfig
 from eagle3.extract.plan import ShardSpec, load_shard_data, plan_shards
-from eagle3.extract.synthetic import write_merged_dataset
+from tests.support.synthetic import write_merged_dataset
+from tests.support.configs import phase
 
 
 def plan(merge_dir, num_shards: int):
@@ -87,7 +88,7 @@ def test_plan_and_loader_read_the_real_merge_output(tmp_path):
                 ids = rng.integers(3, 49000, n).tolist()
                 mask = [0] * (n // 2) + [1] * (n - n // 2)
                 f.write(json.dumps({"sample_id": f"{ds}-{i}", "dataset": ds, "input_ids": ids, "loss_mask": mask}) + "\n")
-    run_merge(MergeConfig(inputs=[str(tmp_path / "datagen")], output_dir=str(tmp_path / "merged"), num_files=3))
+    run_merge(phase(MergeConfig, inputs=[str(tmp_path / "datagen")], output_dir=str(tmp_path / "merged"), num_files=3))
     manifest = json.loads((tmp_path / "merged" / "manifest.json").read_text())
     # one schema: what merge writes, what the test fixture writes and what the readers expect
     write_merged_dataset(tmp_path / "synthetic", [[1, 2, 3]])

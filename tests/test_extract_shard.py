@@ -1,5 +1,6 @@
 """The shard extractor on the CPU with the real SmolLM2-135M-Instruct."""
 
+import dataclasses
 import json
 import logging
 import os
@@ -18,14 +19,16 @@ import torch
 from eagle3.errors import ConfigError
 from eagle3.extract.batches import AUTO_PAD_MULTIPLE, padded_length, plan_batches
 from eagle3.extract.config import ExtractConfig, ShardPlanConfig
-from eagle3.extract.extractor import ExtractOOMError, extract_shard, resolve_for_device
+from eagle3.extract.extractor import ExtractOOMError, resolve_for_device
+from eagle3.extract.run import extract_shard
 from eagle3.extract.format import CorruptChunkError, ShardManifest
 from eagle3.extract.plan import load_shard_data, plan_shards
 from eagle3.extract.reader import HiddenStateReader
-from eagle3.extract.reference import reference_states
-from eagle3.extract.synthetic import write_merged_dataset
+from tests.support.reference import reference_states
+from tests.support.synthetic import write_merged_dataset
 from eagle3.faults import ENV_VAR as FAULT_ENV, InjectedFault
-from eagle3.monitor import FAILURE_NAME
+from eagle3.extract.status import FAILURE_NAME
+from tests.support.configs import phase
 
 ROOT = Path(__file__).resolve().parents[1]
 LAYERS = [1, 2, 15, 27]  # low to high (HF hidden_states indices)
@@ -70,7 +73,7 @@ def spec(dataset):
 def config(smollm2_path, out, **kw):
     kw = {"capture_layers": LAYERS, "device": "cpu", "dtype": "float32", "token_budget": BUDGET,
           "chunk_mb": CHUNK_MB, "writer_threads": 2, **kw}
-    return ExtractConfig(model_path=str(smollm2_path), extract_dir=str(out), **kw)
+    return phase(ExtractConfig, model_path=str(smollm2_path), extract_dir=str(out), **kw)
 
 
 @pytest.fixture(scope="module")
@@ -100,7 +103,7 @@ def tiny_run(tiny_model, spec, out, try_number=None, **kw):
     tokens: every batch is a chunk."""
     from eagle3.extract.backend import HFBackend
 
-    cfg = ExtractConfig(**{"model_path": "tiny", "extract_dir": str(out), "capture_layers": [1, 2, 3],
+    cfg = phase(ExtractConfig, **{"model_path": "tiny", "extract_dir": str(out), "capture_layers": [1, 2, 3],
                            "device": "cpu", "dtype": "float32", "token_budget": BUDGET, "chunk_mb": CHUNK_MB,
                            "writer_threads": 2, **kw})
     return extract_shard(cfg, spec, backend=HFBackend(model=tiny_model), model_config=TINY_SHAPE,
@@ -224,9 +227,10 @@ KILL_CHILD = textwrap.dedent("""
 
     os.fsync = fsync
     from eagle3.extract.config import ExtractConfig
-    from eagle3.extract.extractor import extract_shard
+    from eagle3.extract.run import extract_shard
+    from eagle3.knobs import build
     import json
-    cfg = ExtractConfig(**json.loads({cfg!r}))
+    cfg = build(ExtractConfig, json.loads({cfg!r}), "extract")
     extract_shard(cfg, json.loads({spec!r}))
 """)
 
@@ -235,7 +239,7 @@ KILL_CHILD = textwrap.dedent("""
 def test_sigkill_during_chunk_write_then_rerun_gives_identical_files(batched, spec, smollm2_path, tmp_path):
     out, marker = tmp_path / "out", tmp_path / "in-write"
     cfg = config(smollm2_path, out)
-    code = KILL_CHILD.format(root=str(ROOT), marker=str(marker), cfg=json.dumps(cfg.__dict__),
+    code = KILL_CHILD.format(root=str(ROOT), marker=str(marker), cfg=json.dumps(dataclasses.asdict(cfg)),
                              spec=json.dumps(spec.to_dict()))
     child = subprocess.Popen([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": str(ROOT)})
     try:
@@ -305,9 +309,11 @@ def test_corrupt_chunk_is_detected_and_reextracted(batched, spec, smollm2_path, 
 
 
 def test_wrong_layer_and_dtype_give_clear_errors(spec, smollm2_path, tmp_path):
-    with pytest.raises(ConfigError, match=r"capture layer 30 is out of range .* 30 decoder layers.* 1\.\.29"):
+    # preflight checks the run's layers against config.json (TargetConfig.resolved); a caller that gives the
+    # extractor others directly is stopped where the model's layers are known
+    with pytest.raises(ConfigError, match=r"capture layers \[30\] do not exist: the model has 30 decoder layers.* 1\.\.29"):
         extract_shard(config(smollm2_path, tmp_path, capture_layers=[2, 30]), spec)
-    with pytest.raises(ConfigError, match="capture layer -1 is out of range"):
+    with pytest.raises(ConfigError, match=r"target param capture_layers must be >= 1, got \[-1\]"):
         extract_shard(config(smollm2_path, tmp_path, capture_layers=[-1]), spec)
     with pytest.raises(ConfigError, match="dtype='float16' is not supported on cpu"):
         extract_shard(config(smollm2_path, tmp_path / "f16", dtype="float16"), spec)
@@ -361,7 +367,7 @@ def test_progress_lines_come_every_log_every_s_and_at_every_commit(spec, tiny_mo
     chunk is computed, not only when it is committed; then one line per commit. The default is every 10 s."""
     from eagle3.extract.backend import HFBackend
 
-    assert ExtractConfig(model_path="m", extract_dir="x").log_every_s == 10
+    assert phase(ExtractConfig, model_path="m", extract_dir="x").log_every_s == 10
     real_capture = HFBackend.capture
     monkeypatch.setattr(HFBackend, "capture", lambda self, ids: time.sleep(0.3) or real_capture(self, ids))
     caplog.set_level(logging.INFO, logger="eagle3.extract")
@@ -421,13 +427,17 @@ def test_auto_padding_bounds_batch_lengths_and_their_padding(tmp_path):
     assert len({(len(b), padded_length(int(lengths[b].max()), "auto")) for b in batches}) <= 2 * 145
 
     base = dict(model_path="m", extract_dir=str(tmp_path))
-    assert resolve_for_device(ExtractConfig(**base, device="cpu")).pad_multiple == 1
-    assert resolve_for_device(ExtractConfig(**base, device="cuda")).pad_multiple == "auto"
-    assert ExtractConfig(**base, device="cpu", pad_multiple="16").pad_multiple == 16
-    for bad in ("sixty", "-4", 0, True):
+    assert resolve_for_device(phase(ExtractConfig, **base, device="cpu")).pad_multiple == 1
+    assert resolve_for_device(phase(ExtractConfig, **base, device="cuda")).pad_multiple == "auto"
+    assert phase(ExtractConfig, **base, device="cpu", pad_multiple=16).pad_multiple == 16
+    # the form's text "16" is read as 16 where the form is read (eagle3.config), not by the config
+    from eagle3.config import RunConfig
+
+    assert RunConfig.from_params({"extract_pad_multiple": "16"}, "r").extract.pad_multiple == 16
+    for bad in ("sixty", "-4", "16", 0, True):
         with pytest.raises(ConfigError, match=rf"extract param pad_multiple \(trigger-form param "
                                               rf"extract_pad_multiple\) must .*got {bad!r}"):
-            ExtractConfig(**base, device="cpu", pad_multiple=bad)
+            phase(ExtractConfig, **base, device="cpu", pad_multiple=bad)
 
 
 def test_fp8_storage_halves_bytes_and_stays_close(batched, spec, smollm2_path, reference, tmp_path):
@@ -491,11 +501,12 @@ def test_compiled_graph_runs_the_pinned_kernel_after_another_kernel_filled_the_c
 
 def test_compile_param_resolves_per_device_and_rejects_junk(tmp_path):
     base = dict(model_path="m", extract_dir=str(tmp_path))
-    assert resolve_for_device(ExtractConfig(**base, device="cpu")).compile is False
-    assert resolve_for_device(ExtractConfig(**base, device="cuda")).compile is True
-    assert resolve_for_device(ExtractConfig(**base, device="cuda", compile="False")).compile is False  # rendered
-    with pytest.raises(ConfigError, match="extract param compile must be true, false or 'auto', got 'maybe'"):
-        ExtractConfig(**base, device="cpu", compile="maybe")
+    assert resolve_for_device(phase(ExtractConfig, **base, device="cpu")).compile is False
+    assert resolve_for_device(phase(ExtractConfig, **base, device="cuda")).compile is True
+    assert resolve_for_device(phase(ExtractConfig, **base, device="cuda", compile=False)).compile is False
+    for junk in ("maybe", "False"):  # a native config has no text booleans
+        with pytest.raises(ConfigError, match=f"extract param compile must be true, false or 'auto', got '{junk}'"):
+            phase(ExtractConfig, **base, device="cpu", compile=junk)
 
 
 @pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
@@ -545,10 +556,10 @@ def test_attention_param_rejects_unknown_and_cuda_only_kernels_on_cpu(tmp_path):
     base = dict(model_path="m", extract_dir=str(tmp_path), device="cpu")
     with pytest.raises(ConfigError, match=r"attention \(trigger-form param extract_attention\)='flash3': use one of "
                                           r"\['auto', 'flash', 'cudnn'"):
-        ExtractConfig(**base, attention="flash3")
+        phase(ExtractConfig, **base, attention="flash3")
     with pytest.raises(ConfigError, match="attention='cudnn' needs a CUDA device, the run is on cpu"):
-        resolve_for_device(ExtractConfig(**base, attention="cudnn"))
-    assert resolve_for_device(ExtractConfig(**{**base, "device": "cuda"}, attention="cudnn")).attention == "cudnn"
+        resolve_for_device(phase(ExtractConfig, **base, attention="cudnn"))
+    assert resolve_for_device(phase(ExtractConfig, **{**base, "device": "cuda"}, attention="cudnn")).attention == "cudnn"
     # a pinned kernel that cannot run the call (flash on the CPU, 4 query heads over 2 KV heads without
     # enable_gqa) names the param instead of torch's bare "No available kernel"
     from eagle3.extract.backend import pinned_attention
@@ -573,7 +584,7 @@ def test_fused_llama_backend_refuses_other_architectures_by_name(tmp_path):
         FusedLlamaBackend(model=model).load("", "float32", "cpu", [1])
     with pytest.raises(ConfigError, match=r"backend \(trigger-form param extract_backend\)='tensorrt': use one of "
                                           r"\['hf', 'fused-llama'\]"):
-        ExtractConfig(model_path="m", extract_dir=str(tmp_path), backend="tensorrt")
+        phase(ExtractConfig, model_path="m", extract_dir=str(tmp_path), backend="tensorrt")
 
 
 def test_host_buffer_pool_makes_buffers_only_when_all_are_in_use():

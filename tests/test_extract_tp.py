@@ -11,14 +11,15 @@ import torch
 
 from eagle3.errors import ConfigError
 from eagle3.extract.config import ExtractConfig, ShardPlanConfig
-from eagle3.extract.extractor import extract_shard
+from eagle3.extract.run import extract_shard
 from eagle3.extract.format import ShardManifest
 from eagle3.extract.plan import plan_shards
 from eagle3.extract.reader import HiddenStateReader
-from eagle3.extract.synthetic import write_merged_dataset
+from tests.support.synthetic import write_merged_dataset
 from eagle3.faults import ENV_VAR as FAULT_ENV
 from eagle3.launch import RankFailed
-from eagle3.monitor import FAILURE_NAME
+from eagle3.extract.status import FAILURE_NAME
+from tests.support.configs import phase
 
 LAYERS = [2, 15, 27]
 # 3 ranks share 2 cores in CI: few tokens; with token_budget=256 the plan runs 140 and 130 alone and 70 + 65
@@ -40,7 +41,7 @@ def spec(tmp_path_factory, smollm2_tokenizer):
 def config(smollm2_path, out, **kw):
     kw = {"model_path": str(smollm2_path), "capture_layers": LAYERS, "device": "cpu", "dtype": "float32", "token_budget": 256,
           "chunk_mb": CHUNK_MB, "writer_threads": 2, "rank_timeout_s": 60, **kw}
-    return ExtractConfig(extract_dir=str(out), **kw)
+    return phase(ExtractConfig, extract_dir=str(out), **kw)
 
 
 @pytest.fixture(scope="module")

@@ -9,6 +9,8 @@ import pytest
 from eagle3.errors import ConfigError
 from eagle3.fit import check_fits, check_tp_divides, load_config, smallest_fitting_tp, weight_estimate
 from eagle3.preflight import PreflightConfig, PreflightError, run_preflight
+from eagle3.sections import TargetConfig
+from tests.support.configs import phase
 
 GIB = 2**30
 H200_FREE = 139 * GIB
@@ -89,28 +91,29 @@ def test_preflight_says_what_fits(smollm2_path, tmp_path):
     big = tmp_path / "llama70b"
     big.mkdir()
     (big / "config.json").write_text(json.dumps(LLAMA_70B))
-    cfg = PreflightConfig(model_path=str(big), output_dir=str(tmp_path / "pf"), allow_cpu=True, tp_size=1)
+    def preflight(model, out, tp_size=1, nvidia_smi=None):
+        target = TargetConfig(model_path=str(model), tp_size=tp_size).resolved()
+        return run_preflight(PreflightConfig(output_dir=str(out), allow_cpu=True), target, nvidia_smi=nvidia_smi)
+
     with pytest.raises(PreflightError) as info:
-        run_preflight(cfg, nvidia_smi=fake_nvidia_smi(tmp_path, [139 * 1024] * 8))
+        preflight(big, tmp_path / "pf", nvidia_smi=fake_nvidia_smi(tmp_path, [139 * 1024] * 8))
     fails = "\n".join(info.value.failures)
     assert "smallest tp_size that fits is extract_tp_size=2" in fails
     assert info.value.report["fit"]["smallest_tp_size"] == 2
     # a tp size that does not divide the heads fails in preflight, before any task loads the model
-    cfg = PreflightConfig(model_path=str(smollm2_path), output_dir=str(tmp_path / "pf2"), allow_cpu=True, tp_size=2)
     with pytest.raises(PreflightError, match=r"extract_tp_size=2 does not divide the target's 9 attention heads, "
                                              r"3 kv heads"):
-        run_preflight(cfg, nvidia_smi=None)
-    cfg = PreflightConfig(model_path=str(smollm2_path), output_dir=str(tmp_path / "pf3"), allow_cpu=True, tp_size=3)
-    assert run_preflight(cfg, nvidia_smi=None)["fit"]["tp_size"] == 3  # no GPU: divisibility only, passes
+        preflight(smollm2_path, tmp_path / "pf2", tp_size=2)
+    assert preflight(smollm2_path, tmp_path / "pf3", tp_size=3)["fit"]["tp_size"] == 3  # no GPU: divisibility only
 
 
 def test_fp8_checkpoint_on_the_cpu_is_a_clear_error(smollm2_path, tmp_path):
     """transformers would dequantize an FP8 checkpoint to bf16 on the CPU without a word: refused, in preflight
     and at load, naming the file."""
     from eagle3.extract.config import ExtractConfig, ShardPlanConfig
-    from eagle3.extract.extractor import extract_shard
+    from eagle3.extract.run import extract_shard
     from eagle3.extract.plan import plan_shards
-    from eagle3.extract.synthetic import write_merged_dataset
+    from tests.support.synthetic import write_merged_dataset
 
     fp8 = tmp_path / "fp8-target"
     fp8.mkdir()
@@ -121,7 +124,8 @@ def test_fp8_checkpoint_on_the_cpu_is_a_clear_error(smollm2_path, tmp_path):
     spec = plan_shards(ShardPlanConfig(str(tmp_path / "merge"), 1))[0]
     want = r"fp8-target/config.json: the target is stored in FP8.*this run is on cpu"
     with pytest.raises(ConfigError, match=want):
-        extract_shard(ExtractConfig(model_path=str(fp8), extract_dir=str(tmp_path / "x"), device="cpu"), spec)
+        extract_shard(phase(ExtractConfig, model_path=str(fp8), capture_layers=[2, 15, 27],
+                            extract_dir=str(tmp_path / "x"), device="cpu"), spec)
     with pytest.raises(PreflightError, match=want):
-        run_preflight(PreflightConfig(model_path=str(fp8), output_dir=str(tmp_path / "pf"), allow_cpu=True),
-                      nvidia_smi=None)
+        run_preflight(PreflightConfig(output_dir=str(tmp_path / "pf"), allow_cpu=True),
+                      TargetConfig(model_path=str(fp8)).resolved(), nvidia_smi=None)

@@ -11,11 +11,13 @@ import pytest
 
 from eagle3.errors import ConfigError
 from eagle3.merge import MergeConfig, iter_rows, read_merged, run_merge
+from eagle3.sections import TargetConfig
+from tests.support.configs import phase
 from tests.merge_helpers import part_bytes, random_datasets, read_all, sample, write_dataset
 
 
 def merge(inputs, out, **kw) -> dict:
-    return run_merge(MergeConfig(inputs=[str(p) for p in inputs], output_dir=str(out), **kw))
+    return run_merge(phase(MergeConfig, inputs=[str(p) for p in inputs], output_dir=str(out), **kw))
 
 
 def test_truncate_keeps_input_ids_and_loss_mask_aligned(tmp_path):
@@ -149,7 +151,7 @@ def test_stats_match_a_hand_computed_case(tmp_path):
         '{"sample_id": "B-1", "dataset": "B", "input_ids": [1, 2], "loss_mask": [1]}',  # length mismatch
         sample("B", 2, list(range(9)), [1] * 9),                       # truncated 9 -> 8 (1 cut), 8 loss
     ])
-    s = merge([tmp_path / "in"], tmp_path / "out", max_seq_len=8, hidden_size=576, num_capture_layers=3,
+    s = merge([tmp_path / "in"], tmp_path / "out", max_seq_len=8, hidden_size=576, capture_layers=[2, 15, 27],
               extraction_tokens_per_s=28 / 60, max_bad_fraction=0.5)
     st = json.loads((tmp_path / "out" / "stats.json").read_text())
     assert (st["lines"], st["samples_in"], st["tokens_in"]) == (6, 5, 5 + 12 + 3 + 7 + 9)
@@ -167,8 +169,9 @@ def test_stats_match_a_hand_computed_case(tmp_path):
     assert st["length_histogram"]["samples_in"][0] == 5 and sum(st["length_histogram"]["samples_in"]) == 5
     assert st["length_histogram"]["samples_out"][0] == 4
     est = st["extraction_estimate"]
-    assert est["bytes"] == 28 * (3 + 1) * 576 * 2 and est["hours"] == pytest.approx(1 / 60)
-    assert s["extraction_estimate"] == est["text"] == "129.0 KB / 1 min"
+    # 4 bf16 states of 576 values, an int32 id and a uint8 mask a token (eagle3.extract.format.bytes_per_token)
+    assert est["bytes"] == 28 * ((3 + 1) * 576 * 2 + 5) and est["hours"] == pytest.approx(1 / 60)
+    assert s["extraction_estimate"] == est["text"] == "129.2 KB / 1 min"
     m = json.loads((tmp_path / "out" / "manifest.json").read_text())
     assert m["complete"] is True and m["rows"] == 4 and m["tokens"] == 28 and m["seed"] == 0
     assert set(m) == {"complete", "files", "rows", "tokens", "seed", "params", "fingerprint"}
@@ -178,8 +181,9 @@ def test_stats_match_a_hand_computed_case(tmp_path):
 def test_extraction_estimate_reads_like_the_reference_run():
     from eagle3.merge.stats import extraction_estimate
 
-    # 138.4M tokens, 3 layers of hidden 7168 + final, fp16, at 420 tokens/s
-    e = extraction_estimate(138_400_000, 3, 7168, 2, 420.0)
+    # 138.4M tokens, 3 layers of hidden 7168 + final, bf16, at 420 tokens/s
+    e = extraction_estimate(138_400_000, TargetConfig(capture_layers=[2, 30, 58], hidden_size=7168), "bfloat16",
+                            420.0)
     assert e["text"] == "7.9 TB / 92 h"
 
 

@@ -10,6 +10,7 @@ import pytest
 
 from eagle3.merge import BadInputError, MergeConfig, read_merged, run_merge
 from tests.merge_helpers import read_all, sample, write_dataset
+from tests.support.configs import phase
 
 VOCAB = 49152
 
@@ -53,7 +54,7 @@ EXPECTED = {"malformed_json": 3, "missing_field": 2, "bad_type": 2, "id_out_of_v
 def test_every_bad_input_reason_is_counted_with_file_and_line(tmp_path):
     s_path, f_path = bad_inputs(tmp_path / "in")
     out = tmp_path / "out"
-    summary = run_merge(MergeConfig(inputs=[str(tmp_path / "in")], output_dir=str(out), vocab_size=VOCAB,
+    summary = run_merge(phase(MergeConfig, inputs=[str(tmp_path / "in")], output_dir=str(out), vocab_size=VOCAB,
                                     max_bad_fraction=1.0))
     st = json.loads((out / "stats.json").read_text())
     by = st["bad_input"]["by_reason"]
@@ -86,11 +87,11 @@ def test_every_bad_input_reason_is_counted_with_file_and_line(tmp_path):
 def test_above_threshold_fails_clearly_and_keeps_the_last_good_output(tmp_path):
     bad_inputs(tmp_path / "in")
     out = tmp_path / "out"
-    good = run_merge(MergeConfig(inputs=[str(tmp_path / "in")], output_dir=str(out), vocab_size=VOCAB,
+    good = run_merge(phase(MergeConfig, inputs=[str(tmp_path / "in")], output_dir=str(out), vocab_size=VOCAB,
                                  max_bad_fraction=1.0))
     before = {p.name: p.read_bytes() for p in out.iterdir()}
     with pytest.raises(BadInputError) as e:
-        run_merge(MergeConfig(inputs=[str(tmp_path / "in")], output_dir=str(out), vocab_size=VOCAB,
+        run_merge(phase(MergeConfig, inputs=[str(tmp_path / "in")], output_dir=str(out), vocab_size=VOCAB,
                               max_bad_fraction=0.05, seed=3))
     msg = str(e.value)
     assert "above max_bad_fraction 5.00%" in msg and "of 20 line(s) + 1 empty dataset(s)" in msg
@@ -106,7 +107,7 @@ def test_nothing_but_empty_datasets_fails(tmp_path):
     write_dataset(tmp_path / "in", "E1", [])
     write_dataset(tmp_path / "in", "E2", [])
     with pytest.raises(BadInputError, match="2 empty dataset"):
-        run_merge(MergeConfig(inputs=[str(tmp_path / "in")], output_dir=str(tmp_path / "out"), max_bad_fraction=1.0))
+        run_merge(phase(MergeConfig, inputs=[str(tmp_path / "in")], output_dir=str(tmp_path / "out"), max_bad_fraction=1.0))
     assert not (tmp_path / "out" / "manifest.json").exists()
 
 
@@ -117,7 +118,7 @@ def test_long_lines_and_a_missing_final_newline(tmp_path):
     folder = write_dataset(tmp_path / "in", "L", [sample("L", 0, long_ids), sample("L", 1, [1, 2])])
     with open(folder / "tokenized.jsonl", "a") as f:
         f.write(json.dumps(sample("L", 2, [3, 4])))  # no trailing newline
-    s = run_merge(MergeConfig(inputs=[str(folder)], output_dir=str(tmp_path / "out"), vocab_size=VOCAB,
+    s = run_merge(phase(MergeConfig, inputs=[str(folder)], output_dir=str(tmp_path / "out"), vocab_size=VOCAB,
                               max_seq_len=400_000, read_block_bytes=4096))
     assert s["rows"] == 3 and s["bad_input"] == 0
     rows = {r["sample_id"]: r for r in read_all(tmp_path / "out")}

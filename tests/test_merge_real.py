@@ -6,6 +6,7 @@ import json
 
 from eagle3.merge import iter_rows
 from tests.merge_helpers import write_dataset
+from tests.support.configs import phase
 
 CHATS = {
     "chat": [("What is the capital of France?", "The capital of France is Paris."),
@@ -41,7 +42,7 @@ def test_real_token_ids_round_trip_through_merge(smollm2_tokenizer, tmp_path):
     assert max(len(v[0]) for v in originals.values()) > cap  # one sample is truncated
     from eagle3.merge import MergeConfig, run_merge
 
-    s = run_merge(MergeConfig(inputs=[str(tmp_path / "datagen")], output_dir=str(tmp_path / "merge"),
+    s = run_merge(phase(MergeConfig, inputs=[str(tmp_path / "datagen")], output_dir=str(tmp_path / "merge"),
                               vocab_size=len(tok), max_seq_len=cap))
     assert s["rows"] == 5 and s["truncated"] == 1
     seen = set()
@@ -64,14 +65,16 @@ def test_operator_execute_returns_the_summary(tmp_path):
         write_dataset(tmp_path / "datagen", name, [
             {"sample_id": f"{name}-{i}", "dataset": name, "input_ids": [1, 2, 3, i], "loss_mask": [0, 1, 1, 1]}
             for i in range(10)])
-    # the DAG hands the operator one config; a rendered Jinja template arrives as a JSON string
-    op = MergeOperator(task_id="merge", config=json.dumps({
+    # the DAG hands the operator its part of the run configuration, rendered natively: a dict whose shared
+    # sections are objects
+    op = MergeOperator(task_id="merge", config={
         "inputs": [str(tmp_path / "datagen")], "output_dir": str(tmp_path / "merge"), "exclude": ["B"], "seed": 3,
-        "vocab_size": 49152, "hidden_size": 576, "extraction_tokens_per_s": 100}))
+        "target": {"capture_layers": [2, 15, 27], "vocab_size": 49152, "hidden_size": 576},
+        "extraction_tokens_per_s": 100})
     out = op.execute({})
     assert out == {"merge_dir": str(tmp_path / "merge"), "manifest": str(tmp_path / "merge" / "manifest.json"),
                    "files": 1, "rows": 10, "tokens": 40, "skipped": False, "bad_input": 0, "dropped": 0,
-                   "truncated": 0, "extraction_estimate": "184.3 KB / 0.4 s"}
+                   "truncated": 0, "extraction_estimate": "184.5 KB / 0.4 s"}
     json.dumps(out)  # small and JSON-able (XCom)
     assert op.execute({})["skipped"] is True
     assert json.loads((tmp_path / "merge" / "manifest.json").read_text())["seed"] == 3

@@ -4,7 +4,7 @@ import torch
 
 from eagle3.extract.format import ShardManifest, write_chunk
 from eagle3.config import run_dir
-from eagle3.monitor import (COMPLETE, FAILED, IN_PROGRESS, NOT_STARTED, clear_failure, human_bytes, record_failure,
+from eagle3.extract.status import (COMPLETE, FAILED, IN_PROGRESS, NOT_STARTED, clear_failure, human_bytes, record_failure,
                             run_progress)
 
 

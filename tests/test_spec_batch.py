@@ -31,7 +31,7 @@ def drafter(trained):
 def prompts(smollm2_tokenizer):
     """Training prompts (the drafter accepts often), a new one, and a one-word answer (eos early: the row
     leaves the batch while the others go on); lengths differ, so rows are left-padded."""
-    from eagle3.train import selfdistill as sd
+    from tests.support import selfdistill as sd
 
     texts = sd.make_prompts(24)[:2] + ["Write a short poem about rain on a tin roof.",
                                        "Answer with one word: what color is the sky on a clear day?"]
@@ -40,8 +40,8 @@ def prompts(smollm2_tokenizer):
 
 @pytest.mark.slow
 def test_batched_speculation_is_token_identical_to_hf_greedy(smollm2_model, drafter, prompts):
-    from eagle3.train.spec_batch import BatchedSpeculativeDecoder
-    from eagle3.train.speculative import SpeculativeDecoder
+    from eagle3.evaluate.spec_batch import BatchedSpeculativeDecoder
+    from eagle3.evaluate.speculative import SpeculativeDecoder
 
     d, vocab = drafter
     one = SpeculativeDecoder(smollm2_model, d, vocab, CAPTURE, EOS)
@@ -63,7 +63,7 @@ def test_batched_speculation_is_token_identical_to_hf_greedy(smollm2_model, draf
 
 @pytest.mark.slow
 def test_teacher_forced_check_accepts_greedy_and_names_what_is_not(smollm2_model, drafter, prompts):
-    from eagle3.train.spec_batch import BatchedSpeculativeDecoder, check_summary, teacher_forced_check
+    from eagle3.evaluate.spec_batch import BatchedSpeculativeDecoder, check_summary, teacher_forced_check
 
     d, vocab = drafter
     n = 12
@@ -85,8 +85,8 @@ def test_batched_decoder_greedy_is_verified_and_falls_back_to_hf_generate(smollm
                                                                          monkeypatch):
     """The evaluation's reference comes from speculation checked by teacher forcing; a decoder that goes wrong
     is caught there and its reference replaced by HF generate's, which the evaluation then compares."""
-    from eagle3.train import spec_batch
-    from eagle3.train.speculative import SpeculativeDecoder
+    from eagle3.evaluate import spec_batch
+    from eagle3.evaluate.speculative import SpeculativeDecoder
 
     d, vocab = drafter
     n = 10
@@ -108,7 +108,7 @@ def test_batched_decoder_greedy_is_verified_and_falls_back_to_hf_generate(smollm
 
 
 def test_pack_index_keeps_valid_slots_in_order_right_aligned():
-    from eagle3.train.spec_batch import _pack_index
+    from eagle3.evaluate.spec_batch import _pack_index
 
     valid = torch.tensor([[0, 1, 1, 0, 1, 0], [1, 0, 0, 0, 1, 0]])
     idx, new = _pack_index(valid)

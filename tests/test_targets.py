@@ -25,17 +25,17 @@ def targets_root(tmp_path_factory) -> Path:
 def extract(target: Path, model, tokenizer, work: Path) -> tuple[Path, list[dict]]:
     """Self-distilled samples of the target -> a merged dataset -> one shard through the real extractor."""
     from eagle3.extract.config import ExtractConfig, ShardPlanConfig
-    from eagle3.extract.extractor import extract_shard
+    from eagle3.extract.run import extract_shard
     from eagle3.extract.plan import plan_shards
-    from eagle3.extract.synthetic import write_merged_dataset
-    from eagle3.train.selfdistill import generate_answers, make_prompts
+    from tests.support.synthetic import write_merged_dataset
+    from tests.support.selfdistill import generate_answers, make_prompts
 
     samples = generate_answers(model, tokenizer, make_prompts(PROMPTS), max_new_tokens=ANSWER_LEN)
     write_merged_dataset(work / "merge", [s["input_ids"] for s in samples],
                          loss_masks=[s["loss_mask"] for s in samples], rows_per_file=4)
     spec = plan_shards(ShardPlanConfig(str(work / "merge"), 1))[0]
     # fp32, 4 x 64 values a token: chunk_mb 0.1 gives chunks of ~100 tokens, several per shard
-    cfg = ExtractConfig(model_path=str(target), extract_dir=str(work / "extract"), capture_layers=CAPTURE,
+    cfg = phase(ExtractConfig, model_path=str(target), extract_dir=str(work / "extract"), capture_layers=CAPTURE,
                         device="cpu", dtype="float32", token_budget=256, chunk_mb=0.1, writer_threads=1)
     summary = extract_shard(cfg, spec)
     assert summary["complete"] and summary["tokens"] == sum(len(s["input_ids"]) for s in samples)
@@ -48,11 +48,14 @@ def test_target_extracts_trains_exports_and_decodes_losslessly(model_type, targe
                                                                smollm2_tokenizer, tmp_path):
     from eagle3.extract.format import ShardManifest
     from eagle3.extract.reader import HiddenStateReader
-    from eagle3.extract.reference import reference_states
+    from tests.support.reference import reference_states
     from eagle3.models import load_model, model_info
-    from eagle3.train.config import EvalConfig, TrainConfig
-    from eagle3.train.run import evaluate_phase, train_phase
-    from eagle3.train.selfdistill import make_prompts
+    from eagle3.evaluate.config import EvalConfig
+from eagle3.train.config import TrainConfig
+    from eagle3.evaluate.run import evaluate_phase
+from eagle3.train.run import train_phase
+from tests.support.configs import phase
+    from tests.support.selfdistill import make_prompts
     from eagle3.train.serving import sglang_layer_ids
 
     target = build_tiny_target(model_type, targets_root / model_type, smollm2_path)
@@ -75,7 +78,7 @@ def test_target_extracts_trains_exports_and_decodes_losslessly(model_type, targe
         torch.testing.assert_close(s.final_hidden, final, rtol=1e-4, atol=1e-5)
 
     # 2. a drafter trains on them (the loss falls) and exports
-    train = TrainConfig(shard_dirs=[str(shard)], model_path=str(target), output_dir=str(tmp_path / "train"),
+    train = phase(TrainConfig, shard_dirs=[str(shard)], model_path=str(target), output_dir=str(tmp_path / "train"),
                         batch_size=2, max_steps=STEPS, lr=3e-3, warmup_ratio=0.1, ttt_steps=3,
                         checkpoint_every=STEPS, seed=0)
     report = train_phase(train)
@@ -93,7 +96,7 @@ def test_target_extracts_trains_exports_and_decodes_losslessly(model_type, targe
     assert sglang_layer_ids(CAPTURE, info.architecture) == [i - 1 for i in CAPTURE]
 
     # 3. speculative decoding with the export is the target's greedy decoding, token for token
-    ev = EvalConfig(export_dir=report["export_dir"], model_path=str(target), output_dir=str(tmp_path / "eval"),
+    ev = phase(EvalConfig, export_dir=report["export_dir"], model_path=str(target), output_dir=str(tmp_path / "eval"),
                     prompts=make_prompts(2, offset=500), ks=[3], max_new_tokens=ANSWER_LEN, random_floor=False)
     result = evaluate_phase(ev)
     trained = result["results"]["trained"]
@@ -107,11 +110,11 @@ def test_tensor_parallel_extraction_of_the_target_equals_one_process(model_type,
                                                                      tmp_path):
     """TP 2 (gloo): attention heads split, a MoE target's experts spread over the ranks (expert parallel)."""
     from eagle3.extract.config import ExtractConfig, ShardPlanConfig
-    from eagle3.extract.extractor import extract_shard
+    from eagle3.extract.run import extract_shard
     from eagle3.extract.plan import plan_shards
     from eagle3.extract.reader import HiddenStateReader
-    from eagle3.extract.reference import reference_states
-    from eagle3.extract.synthetic import write_merged_dataset
+    from tests.support.reference import reference_states
+    from tests.support.synthetic import write_merged_dataset
     from eagle3.models import load_model
 
     target = build_tiny_target(model_type, targets_root / model_type, smollm2_path)
@@ -119,7 +122,7 @@ def test_tensor_parallel_extraction_of_the_target_equals_one_process(model_type,
     samples = [[1] + torch.randint(3, 49152, (n,), generator=g).tolist() + [2] for n in (20, 33, 27)]
     write_merged_dataset(tmp_path / "merge", samples)
     spec = plan_shards(ShardPlanConfig(str(tmp_path / "merge"), 1))[0]
-    cfg = ExtractConfig(model_path=str(target), extract_dir=str(tmp_path / "extract"), capture_layers=CAPTURE,
+    cfg = phase(ExtractConfig, model_path=str(target), extract_dir=str(tmp_path / "extract"), capture_layers=CAPTURE,
                         device="cpu", dtype="float32", token_budget=256, chunk_mb=0.05, writer_threads=1, tp_size=2,
                         rank_timeout_s=120)
     summary = extract_shard(cfg, spec)

@@ -330,7 +330,7 @@ def test_bad_inputs_fail_clearly(tmp_path, smollm2_path):
     with pytest.raises(PipelineError, match="manifest is missing"):
         train(small_config([tmp_path / "nowhere"], tmp_path / "o5", model_path=smollm2_path))
 def test_tau_over_first_tokens_and_by_answer_end():
-    from eagle3.train.speculative import tau_breakdown, tau_of
+    from eagle3.evaluate.speculative import tau_breakdown, tau_of
 
     # prompt A: rounds accepting 2, 0, 4 drafts -> 3 + 1 + 5 = 9 tokens in 3 rounds; B: 1, 1 -> 4 in 2
     assert tau_of([[2, 0, 4], [1, 1]]) == {"prompts": 2, "rounds": 5, "tau": 13 / 5}

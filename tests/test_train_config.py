@@ -12,7 +12,8 @@ import torch
 
 from eagle3.errors import ConfigError, PipelineError
 from eagle3.knobs import build, form_params
-from eagle3.train.config import EvalConfig, TrainConfig
+from eagle3.evaluate.config import EvalConfig
+from eagle3.train.config import TrainConfig
 
 # GLM-4.5-like: hidden / heads (40 / 3) is not the head width, and 13 is odd, which RoPE cannot rotate
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, VOCAB, LAYERS = 40, 3, 1, 16, 96, 4
@@ -21,7 +22,7 @@ SAMPLE_LENGTHS = [20, 9, 14, 6, 11, 17]
 
 
 def required(tmp_path: Path) -> dict:
-    return {"shard_dirs": [str(tmp_path / "shard")], "model_path": str(tmp_path / "target"),
+    return {"shard_dirs": [str(tmp_path / "shard")], "target": {"model_path": str(tmp_path / "target")},
             "output_dir": str(tmp_path / "train")}
 
 
@@ -37,9 +38,11 @@ def test_bad_train_and_eval_params_are_config_errors_naming_them(tmp_path):
         build(TrainConfig, {**required(tmp_path), "ttt_step": 3}, "train")
     with pytest.raises(ConfigError, match="draft_vocab_size"):
         build(TrainConfig, {**required(tmp_path), "draft_vocab_size": 0}, "train")
-    with pytest.raises(ConfigError, match=r"max_seq_len 5 must be >= ttt_steps \+ 2 = 9"):
-        build(TrainConfig, {**required(tmp_path), "max_seq_len": 5, "ttt_steps": 7}, "train")
-    eval_required = {"export_dir": "x", "model_path": "y", "output_dir": "z", "prompts": ["hi"]}
+    with pytest.raises(ConfigError, match=r"data param max_seq_len 5 must be >= train param ttt_steps \+ 2 = 9"):
+        build(TrainConfig, {**required(tmp_path), "data": {"max_seq_len": 5}, "ttt_steps": 7}, "train")
+    with pytest.raises(ConfigError, match=r"train.data: unknown param\(s\) \['max_seq_length'\]"):
+        build(TrainConfig, {**required(tmp_path), "data": {"max_seq_length": 5}}, "train")
+    eval_required = {"export_dir": "x", "target": {"model_path": "y"}, "output_dir": "z", "prompts": ["hi"]}
     with pytest.raises(ConfigError, match=r"eval param ks \(trigger-form param eval_ks\) must be >= 1"):
         build(EvalConfig, {**eval_required, "ks": [5, 0]}, "eval")
     with pytest.raises(ConfigError, match=r"eval param ks .* lists a k twice: \[5, 5\]"):
@@ -49,7 +52,7 @@ def test_bad_train_and_eval_params_are_config_errors_naming_them(tmp_path):
     names = set(form_params(EvalConfig))
     assert names == {"eval_prompts", "eval_ks", "eval_max_new_tokens", "eval_max_prompts"}
     assert form_params(EvalConfig)["eval_ks"]["default"] == [5, 7]
-    assert "max_seq_len" not in form_params(TrainConfig)  # the run configuration fills it from merge's cap
+    assert "max_seq_len" not in form_params(TrainConfig)  # the run's data section holds it
 
 
 # ------------------------------------------------------------------ a tiny target and its states
@@ -125,7 +128,7 @@ def test_samples_past_max_seq_len_are_counted_warned_once_and_reported(tiny, cap
 
     cap = 12
     caplog.set_level(logging.WARNING)
-    report = train_phase(tiny_config(tiny, max_seq_len=cap))
+    report = train_phase(tiny_config(tiny, data={"max_seq_len": cap}))
     cut = [n for n in SAMPLE_LENGTHS if n > cap]
     assert report["truncation"] == {"max_seq_len": cap, "truncated_samples": len(cut),
                                     "truncated_tokens": sum(n - cap for n in cut), "longest_sample": max(SAMPLE_LENGTHS)}

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from tiny_targets import CAPTURE, build_tiny_target
+from tests.support.configs import phase
 
 STEPS = 20
 SAMPLES = 15  # chunks of 5 with batch_size 4: micro-batches of 4 and 1 (rank 1 then has nothing to train on)
@@ -17,7 +18,7 @@ SAMPLES = 15  # chunks of 5 with batch_size 4: micro-batches of 4 and 1 (rank 1 
 @pytest.fixture(scope="module")
 def shards(tmp_path_factory, smollm2_path, smollm2_tokenizer):
     from eagle3.models import load_model
-    from eagle3.train import selfdistill as sd
+    from tests.support import selfdistill as sd
 
     root = tmp_path_factory.mktemp("ddp")
     target = build_tiny_target("llama", root / "target", smollm2_path)
@@ -36,7 +37,7 @@ def config(shards, out: Path, **kw):
                 max_steps=STEPS, lr=3e-3, warmup_ratio=0.1, ttt_steps=3, checkpoint_every=3, seed=3,
                 dist_timeout_s=60.0)
     base.update(kw)
-    return TrainConfig(**base)
+    return phase(TrainConfig, **base)
 
 
 @pytest.fixture(scope="module")

@@ -105,7 +105,8 @@ def test_both_engines_capture_exactly_our_capture_layers(tmp_path, model_type, l
     assert sglang_captures(config, model_type, layers) == capture
     assert vllm_v1_captures(config, layers) == capture
     assert vllm_v2_captures(config, layers) == capture
-    assert serving_problems(capture, ARCHITECTURES[model_type]) == []
+    # the layer ids are right for both engines; vLLM (0.33) has no EAGLE-3 hook for GLM-4.5 targets at all
+    assert set(serving_problems(capture, ARCHITECTURES[model_type])) == ({"vllm"} if model_type == "glm4_moe" else set())
 
 
 @pytest.mark.parametrize("model_type", ["deepseek_v3", "glm_moe_dsa"])
@@ -118,8 +119,9 @@ def test_a_deepseek_model_target_whose_first_capture_is_1_is_reported(tmp_path, 
     assert vllm_v1_captures(config, 61) == vllm_v2_captures(config, 61) == capture
     for ids in ([0, 29, 57], [1, 30, 58]):
         assert sglang_captures({"eagle_config": {"eagle_aux_hidden_state_layer_ids": ids}}, model_type, 61) != capture
-    (problem,) = serving_problems(capture, ARCHITECTURES[model_type])
-    assert "cannot serve" in problem and str(capture) in problem and "vLLM" in problem
+    problems = serving_problems(capture, ARCHITECTURES[model_type])
+    problem = problems["sglang"]
+    assert set(problems) == {"sglang"} and "cannot serve" in problem and str(capture) in problem and "vLLM" in problem
 
 
 def test_a_draft_vocabulary_of_the_whole_target_vocabulary_loads_in_both_engines(tmp_path):

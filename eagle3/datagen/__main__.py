@@ -13,6 +13,7 @@ import os
 import sys
 
 from eagle3.datagen import DatagenConfig, DatasetSpec, run_datagen
+from eagle3.sections import TargetConfig
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -28,7 +29,6 @@ def main(argv: list[str] | None = None) -> int:
                     help="local mode: server command template ({model_path} {port} {host} {gguf}); "
                          "given without a value: SGLang's")
     ap.add_argument("--server-extra-args")
-    ap.add_argument("--model-path")
     ap.add_argument("--gguf")
     ap.add_argument("--ready-timeout", type=float, default=900.0)
     a = ap.parse_args(argv)
@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     spec_obj = json.loads(open(a.spec).read()) if os.path.isfile(a.spec) else json.loads(a.spec)
     spec = DatasetSpec.from_dict(spec_obj, where=a.spec if os.path.isfile(a.spec) else "--spec")
     local = a.server_command is not None
-    cfg = DatagenConfig(output_dir=a.out, tokenizer_path=a.tokenizer, model_path=a.model_path,
+    cfg = DatagenConfig(target=TargetConfig(model_path=a.tokenizer), output_dir=a.out,
                         mode="local" if local else "remote",
                         conn_id=None if local else "--base-url",  # here the endpoint is an argument, not a Connection
                         served_model_name=a.model, server_command=a.server_command or None,

@@ -106,6 +106,6 @@ def resolved_config(cfg):
 
     if AUTO not in (cfg.server_command, cfg.gguf, cfg.served_model_name):
         return cfg
-    c = resolve_server(cfg.mode, cfg.model_path or cfg.tokenizer_path, cfg.server_command, cfg.gguf,
+    c = resolve_server(cfg.mode, cfg.target.model_path, cfg.server_command, cfg.gguf,
                        cfg.served_model_name)
     return dataclasses.replace(cfg, server_command=c.server_command, gguf=c.gguf, served_model_name=c.served_model_name)

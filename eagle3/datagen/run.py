@@ -294,7 +294,7 @@ async def _generate(todo: list[Prompt], spec: DatasetSpec, cfg: ClientConfig, en
 def local_server_endpoint(cfg: DatagenConfig, api_key: str) -> Iterator[Endpoint]:
     """The task's own server for the duration of the generation: started, awaited, always stopped."""
     server = LocalServer(cfg.server_command or DEFAULT_SERVER_COMMAND, cfg.server_extra_args,
-                         model_path=cfg.model_path or cfg.tokenizer_path, gguf=cfg.gguf or "", port=cfg.server_port,
+                         model_path=cfg.target.model_path, gguf=cfg.gguf or "", port=cfg.server_port,
                          ready_timeout_s=cfg.server_ready_timeout_s)
     with server:  # stops the server on success, failure and Airflow's SIGTERM on task kill
         yield Endpoint(server.base_url, api_key)
@@ -312,4 +312,4 @@ def run_datagen(spec: DatasetSpec, cfg: DatagenConfig, *, base_url: str | None =
         source: Endpoint | EndpointSource = Endpoint(base_url, api_key)
     else:
         source = functools.partial(local_server_endpoint, cfg, api_key)
-    return run_dataset(spec, cfg.client_config(), source, cfg.tokenizer_path, cfg.output_dir, tokenizer)
+    return run_dataset(spec, cfg.client_config(), source, cfg.target.model_path, cfg.output_dir, tokenizer)

@@ -15,6 +15,7 @@ import jsonschema
 
 from eagle3.errors import ConfigError
 from eagle3.knobs import build, check_knobs, knob
+from eagle3.sections import TargetConfig
 
 DEFAULT_REFUSAL_PATTERNS = (
     r"^\s*I'?m sorry,? but I (can'?t|cannot|won'?t)",
@@ -116,9 +117,9 @@ class DatagenConfig:
     """The datagen task's config: where to write, and which endpoint answers (remote, or a local server the
     task starts). The dataset itself is the task's own mapped argument (DatasetSpec)."""
 
+    target: TargetConfig = knob(help="The run's target section: its folder gives the tokenizer and chat template, "
+                                     "and {model_path} of the local server command.")
     output_dir: str = knob(help="datagen output folder; <output_dir>/<dataset>/ is written")
-    tokenizer_path: str = knob(help="target model folder: tokenizer and chat template")
-    model_path: str | None = knob(None, help="{model_path} of the local server command; None = tokenizer_path")
     mode: str = knob("local", choices=("local", "remote"), param="datagen_mode", section="Data generation",
                      help="local: the task starts server_command; remote: the endpoint of datagen_conn_id")
     conn_id: str | None = knob(None, param="datagen_conn_id", section="Data generation",

@@ -17,7 +17,7 @@ from typing import Protocol
 import torch
 
 from eagle3.errors import ConfigError
-from eagle3.models import ModelInfo, model_info, resolve_capture_layers
+from eagle3.models import ModelInfo, model_info
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 GPU_DTYPES = ("bfloat16", "float16")
@@ -109,7 +109,6 @@ def load_decoder(backend, model_path: str, dtype: str, device: str, capture_laye
         from eagle3.fit import check_fp8_device, fp8_checkpoint, load_config
 
         backend.info = model_info(model_path)
-        resolve_capture_layers(capture_layers, backend.info)  # before spending time on the weights
         config = load_config(model_path)
         check_fp8_device(config, device, model_path)
         if fp8_checkpoint(config) and not tp_plan:  # the FP8 quantizer places the weights itself
@@ -127,13 +126,12 @@ def load_decoder(backend, model_path: str, dtype: str, device: str, capture_laye
     backend.base = model.get_decoder() if hasattr(model, "get_decoder") else model.model
     backend.num_layers = len(backend.base.layers)
     backend.hidden_size = int(model.config.get_text_config().hidden_size)
-    if backend.info is not None:
-        resolve_capture_layers(capture_layers, backend.info)
-    else:
-        for i in capture_layers:
-            if not 0 <= i < backend.num_layers:
-                raise ConfigError(f"capture layer {i} does not exist: the model has {backend.num_layers} decoder "
-                                  f"layers, so capture layers must be in 0..{backend.num_layers - 1}")
+    # the run's capture layers were checked against config.json by preflight (TargetConfig.resolved); a model
+    # given in memory (the benchmark, tests) is checked here, where its layers are known
+    bad = [i for i in capture_layers if not 1 <= i < backend.num_layers]
+    if bad:
+        raise ConfigError(f"capture layers {bad} do not exist: the model has {backend.num_layers} decoder layers, "
+                          f"so capture layers must be in 1..{backend.num_layers - 1}")
     backend.capture_layers = list(capture_layers)
     backend.device = next(model.parameters()).device
     backend.dtype = torch_dtype

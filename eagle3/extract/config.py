@@ -17,9 +17,9 @@ from dataclasses import dataclass
 
 from eagle3.errors import ConfigError
 from eagle3.knobs import check_knobs, knob, knob_meta, param_label
+from eagle3.sections import DTYPE_CHOICES, TargetConfig
 
 SECTION = "Extraction"
-DTYPE_CHOICES = ("auto", "bfloat16", "float16", "float32")
 FP8 = "float8_e4m3fn"  # optional storage: e4m3 values with one fp32 scale per token and layer
 STORAGE_DTYPE_CHOICES = (*DTYPE_CHOICES, FP8)
 BACKEND_CHOICES = ("hf", "fused-llama")
@@ -30,15 +30,11 @@ PLAN_PARAMS = ("token_budget", "chunk_mb", "pad_multiple")
 
 @dataclass
 class ExtractConfig:
-    model_path: str = knob(help="The target model folder (HF format).")
+    target: TargetConfig = knob(help="The run's target section (model_path, capture_layers, tp_size, dtype), "
+                                     "resolved by preflight: capture_layers is a list of ints here.")
     extract_dir: str = knob(help="The folder that holds one shard-<k> folder per shard.")
-    capture_layers: list[int] | None = knob(
-        None, help="HF hidden_states indices to store, ascending, in 1..L-1; null = [2, L//2, L-3] "
-                   "(resolved by eagle3.models.resolve_capture_layers).")
     device: str = knob("auto", pattern=r"^(auto|cpu|cuda(:[0-9]+)?)$",
                        help="auto = cuda if available, else cpu.")
-    dtype: str = knob("auto", choices=DTYPE_CHOICES,
-                      help="Compute dtype; auto = bfloat16 on a GPU, float32 on the CPU.")
     storage_dtype: str = knob(
         "auto", choices=STORAGE_DTYPE_CHOICES, param="storage_dtype", section=SECTION,
         help="Dtype of the stored states; auto = the compute dtype; float8_e4m3fn = fp8 with one scale per token "
@@ -62,11 +58,8 @@ class ExtractConfig:
                           help="SDPA kernel of the forward: auto (torch picks), flash, cudnn, efficient, math.")
     # cuDNN attention builds a host-side plan per new (rows, length), ~40-60 ms on the H200, which at the 135M
     # shape made a run over new shapes 2.8x slower than over known ones (docs/benchmarks.md, run 9)
-    # N ranks via eagle3.launch (one GPU each; gloo ranks on the CPU), transformers' tp_plan="auto"; rank 0 alone
-    # captures and writes (the residual stream is replicated), so chunks, manifest and resume are unchanged
-    tp_size: int = knob(1, min=1, max=64, param="extract_tp_size", section=SECTION,
-                        help="Tensor-parallel ranks (GPUs) per shard: must divide the attention heads, kv heads and "
-                             "experts; the shard task takes this many gpu pool slots. 1 = one process.")
+    # tp_size is the target's (TargetConfig.tp_size): rank 0 alone captures and writes (the residual stream is
+    # replicated), so chunks, manifest and resume are unchanged
     rank_timeout_s: float = knob(600.0, gt=0, help="tp_size > 1: a collective that waits longer fails the shard "
                                                    "(a rank that died or hangs), and every rank is stopped.")
     pad_multiple: str | int = knob(
@@ -75,20 +68,20 @@ class ExtractConfig:
              "CPU, on a GPU up to 64 with padding under 1/16 of the length.")
 
     def __post_init__(self):
-        # a rendered template gives strings: "16" -> 16, "false" -> False
-        if isinstance(self.pad_multiple, str) and self.pad_multiple.strip().isdigit():
-            self.pad_multiple = int(self.pad_multiple)
-        if isinstance(self.compile, str) and self.compile.strip().lower() in ("true", "false"):
-            self.compile = self.compile.strip().lower() == "true"
         check_knobs(self, "extract")
         check_patterns(self, "extract")
+        if isinstance(self.pad_multiple, str) and self.pad_multiple != "auto":
+            raise ConfigError(f"{param_label('extract', field_of(self, 'pad_multiple'))} must be an int >= 1 or "
+                              f"'auto', got {self.pad_multiple!r}")
         if isinstance(self.compile, str) and self.compile != "auto":
             raise ConfigError(f"{param_label('extract', field_of(self, 'compile'))} must be true, false or 'auto', "
                               f"got {self.compile!r}")
 
     def state_params(self) -> dict:
         """The values that define the stored states (after resolve_for_device: no "auto" left in them)."""
-        return {k: getattr(self, k) for k in STATE_PARAMS}
+        t = self.target
+        shared = {"model_path": t.model_path, "capture_layers": t.capture_layers, "dtype": t.dtype}
+        return {k: shared[k] if k in shared else getattr(self, k) for k in STATE_PARAMS}
 
 
 def field_of(cfg, name: str) -> dataclasses.Field:

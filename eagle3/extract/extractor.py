@@ -1,6 +1,6 @@
 """Extract one shard: forward passes over the planned batches, chunks handed to the write pipeline.
 
-    extract_shard(ExtractConfig(model_path=..., extract_dir=...), spec)   # spec: eagle3.extract.plan.ShardSpec
+    ShardExtractor(cfg, spec).run()   # the phase's entry is eagle3.extract.run.extract_shard
 
 The plan (eagle3.extract.batches) fixes which samples go into which batch and chunk; on a GPU one compute
 stream runs the forward (hooks keep the capture layers' outputs) and gathers the real tokens into a device
@@ -30,14 +30,13 @@ from eagle3.errors import ConfigError, PipelineError
 from eagle3.extract.backend import DTYPES, ExtractionBackend, HFBackend, check_attention
 from eagle3.extract.batches import PlanSegment, padded_length, plan_segments, real_token_index
 from eagle3.extract.config import FP8, ExtractConfig
-from eagle3.extract.format import CorruptChunkError, ShardManifest, load_chunk
+from eagle3.extract.format import CorruptChunkError, ShardManifest, bytes_per_token, load_chunk
 from eagle3.extract.fused_llama import FusedLlamaBackend
 from eagle3.extract.pipeline import ChunkPipeline, HostBufferPool, StateBuffers, store_states
 from eagle3.extract.plan import ShardData, ShardSpec, load_shard_data
 from eagle3.faults import maybe_inject_fault
 from eagle3.io import MANIFEST_NAME, PhaseOutput, fingerprint, remove_stale_temps
-from eagle3.models import model_info, resolve_capture_layers
-from eagle3.monitor import clear_failure, record_failure
+from eagle3.models import model_info
 
 log = logging.getLogger(__name__)
 
@@ -54,10 +53,11 @@ def resolve_for_device(cfg: ExtractConfig) -> ExtractConfig:
     pad_multiple (1 on the CPU, whose kernels build nothing per shape; "auto" stays on a GPU)."""
     device = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     cuda = device.startswith("cuda")
-    dtype = cfg.dtype if cfg.dtype != "auto" else ("bfloat16" if cuda else "float32")
+    dtype = cfg.target.dtype if cfg.target.dtype != "auto" else ("bfloat16" if cuda else "float32")
     check_attention(cfg.attention, device)
     return dataclasses.replace(
-        cfg, device=device, dtype=dtype, compile=cuda if cfg.compile == "auto" else cfg.compile,
+        cfg, target=dataclasses.replace(cfg.target, dtype=dtype), device=device,
+        compile=cuda if cfg.compile == "auto" else cfg.compile,
         storage_dtype=dtype if cfg.storage_dtype == "auto" else cfg.storage_dtype,
         pad_multiple=1 if cfg.pad_multiple == "auto" and not cuda else cfg.pad_multiple)
 
@@ -129,22 +129,20 @@ class ShardExtractor:
         self.spec = spec if isinstance(spec, ShardSpec) else ShardSpec.from_dict(spec)
         self.backend = backend
         cfg = resolve_for_device(cfg)
+        cfg.target.require_resolved("extract")
         if model_config is None:
-            self.info = model_info(cfg.model_path)
+            self.info = model_info(cfg.target.model_path)
             self.shape = ModelShape(self.info.path, self.info.num_layers, self.info.hidden_size,
                                     self.info.intermediate_size)
         else:
             self.info = None
-            self.shape = ModelShape(str(cfg.model_path), int(model_config["num_layers"]),
+            self.shape = ModelShape(str(cfg.target.model_path), int(model_config["num_layers"]),
                                     int(model_config["hidden_size"]), int(model_config["intermediate_size"]))
-        self.cfg = cfg = dataclasses.replace(cfg, capture_layers=resolve_capture_layers(cfg.capture_layers,
-                                                                                        self.shape))
+        self.cfg = cfg
         self.shard_dir = Path(cfg.extract_dir) / f"shard-{self.spec.shard:05d}"
         self.storage = STORAGE_DTYPES[cfg.storage_dtype]
-        n, fp8 = len(cfg.capture_layers), self.storage == torch.float8_e4m3fn
-        # states + int32 id + uint8 mask (+ fp32 scales for fp8)
-        bytes_per_token = (n + 1) * self.shape.hidden_size * self.storage.itemsize + 5 + (4 * (n + 1) if fp8 else 0)
-        self.plan = PlanSegment(0, cfg.token_budget, max(1, int(cfg.chunk_mb * (1 << 20)) // bytes_per_token),
+        token_bytes = bytes_per_token(len(cfg.target.capture_layers), self.shape.hidden_size, cfg.storage_dtype)
+        self.plan = PlanSegment(0, cfg.token_budget, max(1, int(cfg.chunk_mb * (1 << 20)) // token_bytes),
                                 cfg.pad_multiple)
         # what defines the stored states: with chunks committed, a change is refused (naming the param)
         self.states = {**cfg.state_params(), "merge_fingerprint": self.spec.merge_fingerprint,
@@ -156,7 +154,7 @@ class ShardExtractor:
     # -- manifest -------------------------------------------------------------------------
     def _fresh_manifest(self) -> ShardManifest:
         return ShardManifest(
-            shard=self.spec.shard, model_path=str(self.cfg.model_path), capture_layers=self.cfg.capture_layers,
+            shard=self.spec.shard, model_path=str(self.cfg.target.model_path), capture_layers=self.cfg.target.capture_layers,
             hidden_size=self.shape.hidden_size, dtype=self.cfg.storage_dtype, rows=self.spec.global_ranges,
             fingerprint=self.fingerprint,
             params={"states": self.states, "planned_tokens": self.spec.tokens, "planned_rows": self.spec.rows},
@@ -291,12 +289,12 @@ class ShardExtractor:
         if self.backend is None:
             self.backend = BACKENDS[self.cfg.backend](info=self.info, compile=self.cfg.compile,
                                                       attention=self.cfg.attention)
-        self.backend.load(self.cfg.model_path, self.cfg.dtype, self.cfg.device, self.cfg.capture_layers)
+        self.backend.load(self.cfg.target.model_path, self.cfg.target.dtype, self.cfg.device, self.cfg.target.capture_layers)
         return self.backend
 
     def _check_memory(self, device: torch.device) -> None:
         need = estimate_batch_bytes(self.cfg.token_budget, self.shape.hidden_size, self.shape.intermediate_size,
-                                    len(self.cfg.capture_layers), DTYPES[self.cfg.dtype].itemsize,
+                                    len(self.cfg.target.capture_layers), DTYPES[self.cfg.target.dtype].itemsize,
                                     self.storage.itemsize)
         free = free_device_memory(device)
         if need > free * self.cfg.memory_headroom:
@@ -307,7 +305,7 @@ class ShardExtractor:
         backend = self._load_backend()
         dev = backend.device
         cuda = dev.type == "cuda"
-        n_cap, H = len(self.cfg.capture_layers), self.shape.hidden_size
+        n_cap, H = len(self.cfg.target.capture_layers), self.shape.hidden_size
         self._check_memory(dev)  # the memory the budget asks for, against what the device has free, before any work
         todo = chunks[len(m.chunks):]
         max_batch = max(int(data.lengths[b].sum()) for c in todo for b in c)
@@ -318,7 +316,7 @@ class ShardExtractor:
         self.pool = HostBufferPool(self.cfg.writer_threads + 1 if cuda else 2,
                                    lambda: StateBuffers(max_chunk, n_cap, H, self.storage, "cpu", pin=cuda))
         copy_stream = torch.cuda.Stream(dev) if cuda else None
-        chunk_meta = {"shard": self.spec.shard, "capture_layers": self.cfg.capture_layers,
+        chunk_meta = {"shard": self.spec.shard, "capture_layers": self.cfg.target.capture_layers,
                       "dtype": self.cfg.storage_dtype, "fingerprint": self.fingerprint}
         self.pipeline = self.pipeline_class(self.shard_dir, m, chunk_meta, data, self.pool, self.cfg.writer_threads,
                                             self.cfg.log_every_s, self.spec.tokens)
@@ -373,23 +371,3 @@ class ShardExtractor:
                     buf.event.record(copy_stream)
                 pipe.submit(ci, buf, pos, np.concatenate(batches))
             pipe.finish()
-
-
-def extract_shard(cfg: ExtractConfig, spec: ShardSpec | dict, backend: ExtractionBackend | None = None,
-                  model_config: dict | None = None, try_number: int | None = None) -> dict:
-    """Extract one shard (resumable, a no-op when complete) and return a small JSON-able summary.
-    tp_size > 1: in tp_size ranks (eagle3.extract.tp). A failure leaves last_error.json (its first line,
-    `try_number`) in the shard folder for the shard view (eagle3.monitor); the next attempt removes it."""
-    spec = spec if isinstance(spec, ShardSpec) else ShardSpec.from_dict(spec)
-    shard_dir = Path(cfg.extract_dir) / f"shard-{spec.shard:05d}"
-    clear_failure(shard_dir)
-    try:
-        if cfg.tp_size > 1 and backend is None:
-            from eagle3.extract.tp import extract_shard_tp
-
-            return extract_shard_tp(cfg, spec)
-        return ShardExtractor(cfg, spec, backend=backend, model_config=model_config).run()
-    except BaseException as e:  # a kill by Airflow (SIGTERM) too; SIGKILL leaves nothing, the view then asks Airflow
-        shard_dir.mkdir(parents=True, exist_ok=True)
-        record_failure(shard_dir, e, try_number)
-        raise

@@ -255,7 +255,7 @@ class ChunkPipeline:
         m, p = self.manifest, self.progress
         m.chunks.append(rec)
         now = time.perf_counter()
-        # progress for the shard view (eagle3.monitor): this attempt's rate and its last commit
+        # progress for the shard view (eagle3.extract.status): this attempt's rate and its last commit
         m.params["updated_at"] = time.time()
         m.params["tokens_per_s"] = round((p.run_tokens + rec.tokens) / max(now - p.t0, 1e-9), 1)
         m.save(self.shard_dir)

@@ -1,6 +1,6 @@
 """Tensor-parallel extraction of one shard: tp_size ranks (eagle3.launch), transformers' tp_plan="auto".
 
-    extract_shard(ExtractConfig(..., tp_size=3), spec)   # dispatches here when tp_size > 1
+    eagle3.extract.run.extract_shard(ExtractConfig(..., tp_size=3), spec)   # dispatches here when tp_size > 1
 
 Each rank loads its slice of the target (`from_pretrained(..., tp_plan="auto")`: attention heads, kv heads and
 MLP columns/rows split, experts spread; one all-reduce per attention and MLP block). After each all-reduce the
@@ -25,9 +25,9 @@ import torch.distributed as dist
 from eagle3.errors import ConfigError
 from eagle3.extract.backend import HFBackend
 from eagle3.extract.config import ExtractConfig
+from eagle3.extract.extractor import ShardExtractor, resolve_for_device
 from eagle3.fit import check_tp_divides, load_config
 from eagle3.launch import backend_for, run_distributed
-from eagle3.models import model_info, resolve_capture_layers
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +78,7 @@ def follow(cfg: ExtractConfig) -> int:
             return forwards
         if cmd == LOAD:
             backend = HFBackend(compile=cfg.compile, attention=cfg.attention, tp_plan="auto")
-            backend.load(cfg.model_path, cfg.dtype, cfg.device, cfg.capture_layers)
+            backend.load(cfg.target.model_path, cfg.target.dtype, cfg.device, cfg.target.capture_layers)
         elif cmd == CAPTURE:
             ids = torch.empty((rows, length), dtype=torch.int64, device=comm)
             dist.broadcast(ids, src=0)
@@ -88,7 +88,6 @@ def follow(cfg: ExtractConfig) -> int:
 
 def extract_shard_rank(cfg: ExtractConfig, spec: dict) -> dict | None:
     """The body of each rank (run by eagle3.launch.run_distributed): rank 0 extracts, the others follow."""
-    from eagle3.extract.extractor import ShardExtractor
     from eagle3.faults import set_rank_pids
 
     rank = dist.get_rank()
@@ -107,34 +106,30 @@ def extract_shard_rank(cfg: ExtractConfig, spec: dict) -> dict | None:
 
 def check_tp(cfg: ExtractConfig) -> ExtractConfig:
     """The checks a tensor-parallel shard passes before any rank starts; returns the config the ranks run:
-    device and capture layers resolved (every rank must agree), compile "auto" = off (tp_plan's hooks and
+    the device resolved (every rank must agree), compile "auto" = off (tp_plan's hooks and
     torch.compile are not measured together yet)."""
-    from eagle3.extract.extractor import resolve_for_device
-
     if cfg.backend != "hf":
-        raise ConfigError(f"{PARAM}={cfg.tp_size} needs extract_backend='hf' (transformers' tensor parallelism), "
+        raise ConfigError(f"{PARAM}={cfg.target.tp_size} needs extract_backend='hf' (transformers' tensor parallelism), "
                           f"got extract_backend={cfg.backend!r}")
-    check_tp_divides(load_config(cfg.model_path), cfg.tp_size, PARAM, where=str(cfg.model_path))
+    check_tp_divides(load_config(cfg.target.model_path), cfg.target.tp_size, PARAM, where=str(cfg.target.model_path))
     if cfg.compile == "auto":
         cfg = dataclasses.replace(cfg, compile=False)
     cfg = resolve_for_device(cfg)
     if cfg.device.startswith("cuda:"):
-        raise ConfigError(f"{PARAM}={cfg.tp_size}: device={cfg.device!r} names one GPU; use device='cuda' "
+        raise ConfigError(f"{PARAM}={cfg.target.tp_size}: device={cfg.device!r} names one GPU; use device='cuda' "
                           f"(rank r runs on GPU r of the task's CUDA_VISIBLE_DEVICES)")
-    layers = resolve_capture_layers(cfg.capture_layers, model_info(cfg.model_path))
-    return dataclasses.replace(cfg, capture_layers=layers)
+    cfg.target.require_resolved("extract")
+    return cfg
 
 
 def extract_shard_tp(cfg: ExtractConfig, spec) -> dict:
-    from eagle3.extract.extractor import ShardExtractor
-
     cfg = check_tp(cfg)
-    backend = backend_for(cfg.device, cfg.tp_size, PARAM)  # nccl needs one GPU per rank: checked here
+    backend = backend_for(cfg.device, cfg.target.tp_size, PARAM)  # nccl needs one GPU per rank: checked here
     spec_dict = spec if isinstance(spec, dict) else spec.to_dict()
     done = ShardExtractor(cfg, spec_dict).completed_summary()  # a complete shard starts no rank
     if done is not None:
         return done
-    log.info("shard %s: extracting in %d %s ranks", spec_dict.get("shard"), cfg.tp_size, backend)
-    results = run_distributed("eagle3.extract.tp:extract_shard_rank", (cfg, spec_dict), nprocs=cfg.tp_size,
+    log.info("shard %s: extracting in %d %s ranks", spec_dict.get("shard"), cfg.target.tp_size, backend)
+    results = run_distributed("eagle3.extract.tp:extract_shard_rank", (cfg, spec_dict), nprocs=cfg.target.tp_size,
                               backend=backend, timeout_s=cfg.rank_timeout_s, name="eagle3-extract")
     return results[0]

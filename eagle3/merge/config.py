@@ -6,6 +6,7 @@ from dataclasses import asdict, dataclass
 
 from eagle3.errors import ConfigError
 from eagle3.knobs import check_knobs, knob
+from eagle3.sections import DataConfig, TargetConfig
 
 CAP_POLICIES = ("truncate", "drop")
 
@@ -17,9 +18,9 @@ class MergeConfig:
     include: list[str] | None = knob(None, param="include", section="Merge",
                                      help="Datasets to keep (empty = all).")
     exclude: list[str] = knob(default_factory=list, param="exclude", section="Merge", help="Datasets to drop.")
-    max_seq_len: int = knob(8192, min=3, max=1_048_576, param="max_seq_len", section="Merge",
-                            help="Sequence-length cap of the run: merge caps samples at it, training trains on "
-                                 "them whole.")
+    data: DataConfig = knob(default_factory=DataConfig, help="The run's data section: max_seq_len, the cap.")
+    target: TargetConfig | None = knob(None, help="The run's target, resolved (its vocab bounds the token ids, its "
+                                                  "hidden size sizes the extraction estimate); None = no such check.")
     cap_policy: str = knob("truncate", choices=CAP_POLICIES, param="cap_policy", section="Merge",
                            help="What to do with a longer sample: keep its first max_seq_len tokens, or drop it.")
     min_assistant_tokens: int = knob(1, min=0, help="after the cap; a sample with no loss tokens teaches nothing")
@@ -28,14 +29,12 @@ class MergeConfig:
                                                    "overrides tokens_per_file")
     tokens_per_file: int = knob(50_000_000, min=1, help="tokens per parquet part")
     row_group_tokens: int = knob(1_000_000, min=1, help="tokens per parquet row group")
-    vocab_size: int | None = knob(None, min=1, max=2**31 - 1, help="ids outside [0, vocab_size) are bad input")
     max_bad_fraction: float = knob(0.01, min=0.0, max=1.0, help="fail when bad lines / lines exceeds this")
     require_datagen_complete: bool = knob(False, help="fail when a dataset's datagen manifest.json is "
                                                       "missing/incomplete")
-    # Extraction estimate printed in stats: tokens x (num_capture_layers + 1) x hidden_size x bytes_per_value.
-    num_capture_layers: int = knob(3, min=1, help="capture layers the extraction will store")
-    hidden_size: int | None = knob(None, min=1, help="the target's hidden size (for the extraction estimate)")
-    bytes_per_value: int = knob(2, min=1, help="bytes of one stored value (for the extraction estimate)")
+    # Extraction estimate printed in stats: tokens x eagle3.extract.format.bytes_per_token (the run configuration
+    # gives extraction's storage dtype; with no target there is no estimate).
+    storage_dtype: str = knob("auto", help="extraction's storage dtype (for the extraction estimate)")
     extraction_tokens_per_s: float | None = knob(None, gt=0, help="extraction rate for the time estimate")
     # Tuning only: none of these change the output bytes.
     bucket_tokens: int = knob(4_000_000, min=1, help="tokens per on-disk shuffle bucket (memory of pass 2)")
@@ -60,14 +59,21 @@ class MergeConfig:
             raise ConfigError(f"merge params include and exclude both name {sorted(overlap)}")
 
     @property
+    def max_seq_len(self) -> int:
+        return self.data.max_seq_len
+
+    @property
     def id_limit(self) -> int:
         """Token ids must lie in [0, id_limit): the vocab, or what int32 (the parquet column type) holds."""
-        return self.vocab_size if self.vocab_size is not None else 2**31 - 1
+        vocab = self.target.vocab_size if self.target is not None else None
+        return vocab if vocab is not None else 2**31 - 1
 
     def output_params(self) -> dict:
         """The params that decide the output (and stats): recorded in the manifest and fingerprinted."""
-        tuning = {"inputs", "output_dir", "bucket_tokens", "read_block_bytes", "tmp_dir", "verify_existing"}
+        tuning = {"inputs", "output_dir", "bucket_tokens", "read_block_bytes", "tmp_dir", "verify_existing", "data",
+                  "target", "storage_dtype", "extraction_tokens_per_s"}  # (the last two: the estimate only)
         d = {k: v for k, v in asdict(self).items() if k not in tuning}
+        d.update(max_seq_len=self.max_seq_len, vocab_size=self.target.vocab_size if self.target else None)
         d["include"] = sorted(d["include"]) if d["include"] else None  # [] and None both keep every dataset
         d["exclude"] = sorted(d["exclude"])
         return d

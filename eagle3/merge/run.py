@@ -172,8 +172,7 @@ def _merge(cfg, datasets, out: PhaseOutput, tmp: Path, parts_tmp: Path) -> dict:
                             f" dropped/bad_input counts in {out_dir / FAILED_STATS_NAME}")
     t2 = time.monotonic()
 
-    estimate = extraction_estimate(tokens_total, cfg.num_capture_layers, cfg.hidden_size, cfg.bytes_per_value,
-                                   cfg.extraction_tokens_per_s)
+    estimate = extraction_estimate(tokens_total, cfg.target, cfg.storage_dtype, cfg.extraction_tokens_per_s)
     stats_doc = stats.to_dict(rows_total, tokens_total, estimate)
     stats_doc["inputs"] = [{"dataset": d.name, "path": str(d.path), "bytes": d.size,
                             "datagen_complete": d.datagen_complete} for d in datasets]

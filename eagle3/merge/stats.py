@@ -9,7 +9,8 @@ import numpy as np
 
 from eagle3.errors import PipelineError
 from eagle3.merge.parse import BadLine
-from eagle3.preflight import extraction_bytes
+from eagle3.extract.format import bytes_per_token
+from eagle3.sections import TargetConfig
 
 # Length histogram bin edges: 0, 64, 128, ..., 2^20 tokens, then everything longer.
 HIST_EDGES = [0] + [2**k for k in range(6, 21)]
@@ -155,14 +156,16 @@ def human_hours(h: float) -> str:
     return f"{h * 3600:.0f} s" if h * 3600 >= 10 else f"{h * 3600:.1f} s"
 
 
-def extraction_estimate(tokens: int, num_capture_layers: int, hidden_size: int | None, bytes_per_value: int,
+def extraction_estimate(tokens: int, target: TargetConfig | None, storage_dtype: str,
                         tokens_per_s: float | None) -> dict | None:
     """Disk and time the extraction phase will need for these tokens, e.g. "5.5 TB / 91 h"."""
-    if hidden_size is None:
+    if target is None or target.hidden_size is None or not isinstance(target.capture_layers, list):
         return None
-    nbytes = extraction_bytes(tokens, num_capture_layers, hidden_size, bytes_per_value)
-    out = {"tokens": tokens, "bytes": nbytes, "num_capture_layers": num_capture_layers, "hidden_size": hidden_size,
-           "bytes_per_value": bytes_per_value, "tokens_per_s": tokens_per_s, "hours": None}
+    n = len(target.capture_layers)
+    per_token = bytes_per_token(n, target.hidden_size, storage_dtype)
+    nbytes = tokens * per_token
+    out = {"tokens": tokens, "bytes": nbytes, "num_capture_layers": n, "hidden_size": target.hidden_size,
+           "storage_dtype": storage_dtype, "bytes_per_token": per_token, "tokens_per_s": tokens_per_s, "hours": None}
     text = human_bytes(nbytes)
     if tokens_per_s:
         out["hours"] = tokens / tokens_per_s / 3600

@@ -1,4 +1,4 @@
-"""The training and evaluation phase configs: each field declared once (default, bounds, help), torch-free.
+"""The training phase config: each field declared once (default, bounds, help), torch-free.
 
 Fields with a `param` name are trigger-form params (eagle3.knobs.form_params); the rest are set through the
 form's free `train_overrides` object, where an unknown key is a ConfigError naming it (eagle3.knobs.build).
@@ -11,8 +11,9 @@ from dataclasses import asdict, dataclass
 from eagle3.errors import ConfigError
 from eagle3.io import fingerprint
 from eagle3.knobs import check_knobs, knob
+from eagle3.sections import DataConfig, TargetConfig
 
-TRAINING, EVALUATION = "Training", "Evaluation"
+TRAINING = "Training"
 
 # Params that change how a run goes, not what it produces: a finished run with other values is reused.
 # num_gpus and parallel too: the global batch and its loss are the same at any N, so a run resumes at another N.
@@ -23,9 +24,13 @@ PARALLEL_CHOICES = ("ddp", "fsdp")
 
 @dataclass
 class TrainConfig:
-    shard_dirs: list[str] = knob(help="Shard folders of extracted hidden states (the extraction tasks' outputs).")
-    model_path: str = knob(help="The target model (HF folder): its embedding and lm_head are read, not trained.")
+    target: TargetConfig = knob(help="The run's target section: its embedding and lm_head are read, not trained.")
     output_dir: str = knob(help="The training folder: vocab, checkpoints, metrics, export/, report.json.")
+    data: DataConfig = knob(default_factory=DataConfig,
+                            help="The run's data section: samples are trained on up to max_seq_len tokens (merge's "
+                                 "cap); longer ones are cut and counted in report.json.")
+    shard_dirs: list[str] = knob(default_factory=list,
+                                 help="Shard folders of extracted hidden states (the extraction tasks' outputs).")
     # The five defaults below are the recipe the ablations in docs/benchmarks.md support (docs/train.md, "Defaults")
     draft_vocab_size: int = knob(32000, min=2, param="draft_vocab_size", section=TRAINING,
                                  help="Draft vocabulary (capped at the distinct tokens seen).")
@@ -41,8 +46,6 @@ class TrainConfig:
                            help="Samples per micro-batch (all ranks together); lower it and raise grad_accum when a "
                                 "large drafter runs out of GPU memory.")
     grad_accum: int = knob(1, min=1, help="Micro-batches per optimizer step.")
-    max_seq_len: int = knob(8192, min=3, max=1_048_576, help="Tokens of a sample that are trained on; longer samples are cut and "
-                                              "counted in report.json. The run configuration sets it to merge's cap.")
     epochs: int = knob(6, min=1, param="epochs", section=TRAINING, help="Passes over the data.")
     max_steps: int = knob(0, min=0, param="max_steps", section=TRAINING,
                           help="Optimizer steps; 0 = run the epochs.")
@@ -70,53 +73,22 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         check_knobs(self, "train")
-        if not self.shard_dirs:
-            raise ConfigError("train param shard_dirs is empty: no extracted hidden states to train on")
         if self.max_seq_len < self.ttt_steps + 2:
-            raise ConfigError(f"train param max_seq_len {self.max_seq_len} must be >= ttt_steps + 2 = "
+            raise ConfigError(f"data param max_seq_len {self.max_seq_len} must be >= train param ttt_steps + 2 = "
                               f"{self.ttt_steps + 2}: step K predicts the token K+1 places ahead")
         if self.num_gpus > self.batch_size:
             raise ConfigError(f"train param batch_size {self.batch_size} cannot be spread over train_num_gpus "
                               f"{self.num_gpus}: every rank takes a share of each micro-batch's samples; use "
                               f"batch_size >= {self.num_gpus} (and grad_accum for a larger global batch), or fewer GPUs")
 
+    @property
+    def model_path(self) -> str:
+        return self.target.model_path
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.data.max_seq_len
+
     def fingerprint(self) -> str:
-        return fingerprint({k: v for k, v in asdict(self).items() if k not in _NOT_IN_FINGERPRINT})
-
-
-@dataclass
-class EvalConfig:
-    export_dir: str = knob(help="The drafter export to evaluate (the training phase's export/).")
-    model_path: str = knob(help="The target model (HF folder).")
-    output_dir: str = knob(help="The evaluation folder: report.json, acceptance.png.")
-    prompts: list[str] = knob(default_factory=list, help="Held-out user prompts, one turn each (besides prompts_file).")
-    prompts_file: str = knob("", param="eval_prompts", section=EVALUATION,
-                             help="Held-out conversations: `mtbench` (MT-bench's 80 two-turn questions, from the "
-                                  "public-data extra) or a JSONL file (MT-bench question.jsonl or a prompt file).")
-    ks: list[int] = knob(default_factory=lambda: [5, 7], min=1, max=32, param="eval_ks", section=EVALUATION,
-                         schema={"minItems": 1, "maxItems": 4},
-                         help="Draft tokens per target forward: one speculative pass per k.")
-    max_new_tokens: int = knob(64, min=1, param="eval_max_new_tokens", section=EVALUATION,
-                               help="Tokens generated per answer (each turn).")
-    max_prompts: int = knob(0, min=0, param="eval_max_prompts", section=EVALUATION,
-                            help="Evaluate N conversations, taken round-robin over categories (0 = all).")
-    decoder: str = knob("batched", choices=("batched", "sequential"),
-                        help="Speculative decoder (eagle3.train.evaluation.DECODERS): batched (many answers at "
-                             "once, lossless by a teacher-forced check); sequential (one at a time, for the bench).")
-    random_floor: bool = knob(True, help="Also evaluate a randomly initialised drafter of the same shape.")
-    floor_max_prompts: int = knob(0, min=0, help="The random floor (at the first k) on the first N answers only "
-                                                 "(0 = all): slow.")
-    seed: int = knob(0, min=0, help="Seed of the random-floor drafter.")
-    device: str = knob("auto", help="auto = cuda when available; the target runs in fp32 there too.")
-    # the run configuration sets it from the form's extract_tp_size: a target extraction needed N GPUs for needs
-    # them here too (eagle3.config.PHASE_SOURCES)
-    tp_size: int = knob(1, min=1, max=64, help="Tensor-parallel ranks of the target (transformers' tp_plan); the "
-                                               "drafter runs replicated in every rank.")
-    rank_timeout_s: float = knob(600.0, gt=0, help="tp_size > 1: a collective that waits longer fails the run.")
-
-    def __post_init__(self) -> None:
-        check_knobs(self, "eval")
-        if not self.prompts and not self.prompts_file:
-            raise ConfigError("eval needs held-out prompts: give `prompts` or `prompts_file`")
-        if len(set(self.ks)) != len(self.ks):
-            raise ConfigError(f"eval param ks (trigger-form param eval_ks) lists a k twice: {self.ks}")
+        d = {k: v for k, v in asdict(self).items() if k not in _NOT_IN_FINGERPRINT + ("target", "data")}
+        return fingerprint({**d, "model_path": self.model_path, "max_seq_len": self.max_seq_len})

@@ -43,11 +43,20 @@ def vllm_layer_ids(capture_layers: list[int]) -> list[int]:
     return [int(i) for i in capture_layers]
 
 
-def serving_problems(capture_layers: list[int], architecture: str) -> list[str]:
-    """Engines that would feed the drafter other layers than it was trained on, with what to do about it."""
+# vLLM targets without an EAGLE-3 hook (vllm 0.33: no SupportsEagle3 on these model classes)
+VLLM_NO_EAGLE3 = ("Glm4MoeForCausalLM",)
+ENGINES = ("sglang", "vllm")
+
+
+def serving_problems(capture_layers: list[int], architecture: str) -> dict[str, str]:
+    """{engine: why it cannot serve this drafter as trained, and what to do}: preflight checks them before the run
+    (a failure for the engines the run must serve, PreflightConfig.serving_engines; a note for the others)."""
+    out = {}
     if architecture in SGLANG_FIRST_ID_RULE and capture_layers[0] == 1:
-        return [f"SGLang cannot serve a {architecture} target with capture layers {list(capture_layers)}: its model "
-                f"adds 1 to the layer ids only when the first id is 1, so a first capture layer of 1 (the output of "
-                f"decoder layer 0) cannot be expressed; serve with vLLM, or train with capture layers that start "
-                f"at 2 or later"]
-    return []
+        out["sglang"] = (f"SGLang cannot serve a {architecture} target with capture layers {list(capture_layers)}: "
+                         f"its model adds 1 to the layer ids only when the first id is 1, so a first capture layer "
+                         f"of 1 (the output of decoder layer 0) cannot be expressed; serve with vLLM, or train with "
+                         f"capture layers that start at 2 or later")
+    if architecture in VLLM_NO_EAGLE3:
+        out["vllm"] = (f"vLLM (0.33) has no EAGLE-3 hook for {architecture} targets: serve the drafter with SGLang")
+    return out

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from eagle3.errors import PipelineError
+from eagle3.errors import ConfigError, PipelineError
 from eagle3.extract.reader import HiddenStateReader
 from eagle3.io import read_json
 from eagle3.knobs import build
@@ -133,6 +133,8 @@ def pick_device(name: str) -> torch.device:
 
 
 def open_data(cfg: TrainConfig, info) -> HiddenStateReader:
+    if not cfg.shard_dirs:
+        raise ConfigError("train param shard_dirs is empty: no extracted hidden states to train on")
     reader = HiddenStateReader(cfg.shard_dirs)
     if reader.hidden_size != info.hidden_size:
         raise PipelineError(

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from eagle3.extract.format import ShardManifest, write_chunk
-from eagle3.extract.reference import reference_states
+from tests.support.reference import reference_states
 
 log = logging.getLogger(__name__)
 

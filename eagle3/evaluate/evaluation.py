@@ -6,7 +6,7 @@ prompt, and they are the lossless reference); then each k speculates on every tu
 a batched decoder gets them all at once. An answer must equal the greedy one token for token.
 
 A decoder is anything with
-    speculate(prompts: list[list[int]], max_new_tokens, k) -> list[Answer]   (eagle3.train.speculative.Answer)
+    speculate(prompts: list[list[int]], max_new_tokens, k) -> list[Answer]   (eagle3.evaluate.speculative.Answer)
     greedy(prompts: list[list[int]], max_new_tokens) -> list[list[int]]      (the target's greedy answers)
 built as DECODERS[name](target, drafter, vocab, capture_layers, eos_id); EvalConfig.decoder picks it.
 
@@ -25,13 +25,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from eagle3.errors import ConfigError
-from eagle3.train.speculative import Answer, SpecStats, tau_breakdown, tau_of
+from eagle3.evaluate.speculative import Answer, SpecStats, tau_breakdown, tau_of
 
 MTBENCH = "mtbench"  # EvalConfig.prompts_file value: MT-bench's 80 questions from the public-data extra
 
 # name -> "module:class"; imported on use so a decoder's own needs stay out of the others' way
-DECODERS = {"batched": "eagle3.train.spec_batch:BatchedDecoder",
-            "sequential": "eagle3.train.speculative:SequentialDecoder"}
+DECODERS = {"batched": "eagle3.evaluate.spec_batch:BatchedDecoder",
+            "sequential": "eagle3.evaluate.speculative:SequentialDecoder"}
 
 
 def make_decoder(name: str, target, drafter, vocab, capture_layers, eos_id):

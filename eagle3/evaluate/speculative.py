@@ -164,7 +164,7 @@ class Answer:
 
 
 class SequentialDecoder:
-    """The evaluation's decoder interface (eagle3.train.evaluation.DECODERS), one prompt at a time:
+    """The evaluation's decoder interface (eagle3.evaluate.evaluation.DECODERS), one prompt at a time:
     `speculate` with the chain drafter, `greedy` with HF generate as the lossless reference."""
 
     def __init__(self, target, drafter, vocab, capture_layers, eos_id):

@@ -1,6 +1,6 @@
 """Batched lossless speculative decoding: many prompts at once, greedy, per-row acceptance.
 
-The same rounds as eagle3.train.speculative (the drafter proposes k tokens in a chain, the target checks them
+The same rounds as eagle3.evaluate.speculative (the drafter proposes k tokens in a chain, the target checks them
 in one forward, the longest matching prefix plus the target's own next token is kept), for a left-padded batch:
 
 - Rows accept different numbers of drafts, so a round appends k+1 slots to every row's caches (target k/v and
@@ -247,7 +247,7 @@ def check_summary(results: list[dict | None]) -> tuple[list[int], int]:
 
 
 class BatchedDecoder:
-    """The evaluation's decoder interface (eagle3.train.evaluation.DECODERS), batched.
+    """The evaluation's decoder interface (eagle3.evaluate.evaluation.DECODERS), batched.
 
     `greedy` needs no plain generation: it speculates at `reference_k` and verifies every answer by teacher
     forcing; an answer the check rejects (a decoder bug) is replaced by HF greedy generate's, so the
@@ -261,7 +261,7 @@ class BatchedDecoder:
         self._answers: dict = {}
 
     def _speculate(self, prompts, max_new_tokens: int, k: int):
-        from eagle3.train.speculative import Answer
+        from eagle3.evaluate.speculative import Answer
 
         keys = [(tuple(p), max_new_tokens, k) for p in prompts]
         todo = list(dict.fromkeys(key for key in keys if key not in self._answers))

@@ -1,0 +1,1 @@
+"""The evaluation phase: real speculative decoding of the target with the exported drafter (MT-bench), lossless."""
