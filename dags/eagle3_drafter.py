@@ -8,7 +8,7 @@ Trigger it from the UI (the form is generated from the phase configs by eagle3.c
 `<output_root>/<run_name or run_id>`, so two runs never mix files, and every phase skips the work
 its manifest says is complete: clearing one task (one extraction shard, say) or the whole run
 resumes rather than redoes. docs/operations.md says how to watch a run and backfill one shard.
-The train task produces the Asset `eagle3_drafter` (operators.train.DRAFTER_ASSET): a DAG with
+The train task produces the Asset `eagle3_drafter` (eagle3_airflow.operators.train.DRAFTER_ASSET): a DAG with
 `schedule=[DRAFTER_ASSET]` runs on every new drafter, its export folder in the event's extra.
 """
 
@@ -20,11 +20,11 @@ from datetime import timedelta
 from airflow.sdk import DAG, Param, task
 
 from eagle3.config import form_params, gpu_slots, phase_template, run_dir
-from operators.datagen import DatagenOperator
-from operators.extract import ExtractShardOperator, PlanShardsOperator
-from operators.merge import MergeOperator
-from operators.preflight import PreflightOperator
-from operators.train import DRAFTER_ASSET, EvaluateDrafterOperator, TrainDrafterOperator
+from eagle3_airflow.operators.datagen import DatagenOperator
+from eagle3_airflow.operators.extract import ExtractShardOperator, PlanShardsOperator
+from eagle3_airflow.operators.merge import MergeOperator
+from eagle3_airflow.operators.preflight import PreflightOperator
+from eagle3_airflow.operators.train import DRAFTER_ASSET, EvaluateDrafterOperator, TrainDrafterOperator
 
 GPU_QUEUE = "gpu"  # the Celery queue GPU workers listen on (docker-compose.yml)
 GPU_POOL = "gpu"  # one slot per GPU: at most that many GPU tasks at once

@@ -5,7 +5,7 @@ from typing import Any, Mapping, Sequence
 from airflow.sdk import Context
 
 from eagle3.preflight import PreflightConfig
-from operators.base import Eagle3Operator
+from eagle3_airflow.operators.base import Eagle3Operator
 
 
 class PreflightOperator(Eagle3Operator[PreflightConfig]):
@@ -26,8 +26,8 @@ class PreflightOperator(Eagle3Operator[PreflightConfig]):
         from eagle3.config import check_run
         from eagle3.errors import ConfigError
         from eagle3.preflight import run_preflight
-        from operators._render import rendered
-        from operators.deployment import deployment_problems
+        from eagle3_airflow.operators._render import rendered
+        from eagle3_airflow.deployment import deployment_problems
 
         # first: a pool or queue this Airflow lacks would leave tasks waiting forever, hours from now
         problems = deployment_problems(context["dag"].tasks)

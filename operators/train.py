@@ -6,7 +6,7 @@ from airflow.sdk import Asset, Context
 from airflow.sdk.exceptions import AirflowNotFoundException
 
 from eagle3.train.config import EvalConfig, TrainConfig
-from operators.base import Eagle3Operator
+from eagle3_airflow.operators.base import Eagle3Operator
 
 # The exported drafter, as an Airflow Asset: the train task is its producer (outlet), so a DAG scheduled on it
 # (`schedule=[DRAFTER_ASSET]`) runs after every training; the event's extra says where the export is.
@@ -35,7 +35,7 @@ class TrainDrafterOperator(Eagle3Operator[TrainConfig]):
 
     def mapped_values(self) -> dict[str, Any]:
         from eagle3.config import train_overrides_checked
-        from operators._render import rendered
+        from eagle3_airflow.operators._render import rendered
 
         dirs = sorted(str(d["shard_dir"] if isinstance(d, dict) else d) for d in rendered(self.shard_dirs))
         return {**train_overrides_checked(rendered(self.overrides) or {}), "shard_dirs": dirs, **self._mlflow()}
@@ -44,7 +44,7 @@ class TrainDrafterOperator(Eagle3Operator[TrainConfig]):
         """The MLflow config fields from the Connection; none (TensorBoard only) when it is not defined."""
         if not self.mlflow_conn_id:
             return {}
-        from operators.hooks import MLflowTrackingHook
+        from eagle3_airflow.hooks import MLflowTrackingHook
 
         try:
             conn = MLflowTrackingHook(self.mlflow_conn_id).get_conn()

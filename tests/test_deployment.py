@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from operators.deployment import pool_problems, queue_problems, task_needs
+from eagle3_airflow.deployment import pool_problems, queue_problems, task_needs
 
 
 @dataclass
