@@ -35,6 +35,8 @@ def get_provider_info() -> dict:
              "hook-name": "OpenAI-compatible endpoint"},
             {"connection-type": "mlflow", "hook-class-name": "eagle3_airflow.hooks.MLflowTrackingHook",
              "hook-name": "MLflow tracking server"},
+            {"connection-type": "airflow_api", "hook-class-name": "eagle3_airflow.hooks.AirflowApiHook",
+             "hook-name": "Airflow REST API"},
         ],
         "plugins": [{"name": "eagle3", "plugin-class": "eagle3_airflow.plugins.shard_view.Eagle3Plugin"}],
     }

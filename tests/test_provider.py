@@ -75,7 +75,7 @@ pm = ProvidersManager()
 pm.initialize_providers_hooks()
 info = pm.providers["eagle3-pipeline"]
 out["provider"] = {"version": info.version, "name": info.data["name"]}
-out["hooks"] = {c: pm.hooks[c].hook_class_name for c in ("openai", "mlflow") if pm.hooks.get(c)}
+out["hooks"] = {c: pm.hooks[c].hook_class_name for c in ("openai", "mlflow", "airflow_api") if pm.hooks.get(c)}
 from airflow import plugins_manager
 plugins, errors = plugins_manager._get_plugins()
 out["plugins"] = [(p.name, p.__module__) for p in plugins]
@@ -116,7 +116,8 @@ def test_installed_alone_airflow_finds_provider_plugin_and_dag(wheel, tmp_path):
     assert {p.name for p in site.iterdir() if not p.name.endswith(".dist-info")} - {"bin"} == TOP_LEVEL
     assert out["provider"] == {"version": "0.1.0", "name": "EAGLE-3 pipeline"}
     assert out["hooks"] == {"openai": "eagle3_airflow.hooks.OpenAICompatibleHook",
-                            "mlflow": "eagle3_airflow.hooks.MLflowTrackingHook"}
+                            "mlflow": "eagle3_airflow.hooks.MLflowTrackingHook",
+                            "airflow_api": "eagle3_airflow.hooks.AirflowApiHook"}
     plugins = [tuple(p) for p in out["plugins"]]
     assert ("eagle3", "eagle3_airflow.plugins.shard_view") in plugins and not out["plugin_errors"]
     assert out["dags_folder"] == str(site / "eagle3_dags")
