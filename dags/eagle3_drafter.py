@@ -22,11 +22,11 @@ from datetime import timedelta
 from airflow.sdk import DAG, Param, task
 
 from eagle3.config import form_params, gpu_slots, phase_config
-from operators.datagen import DatagenOperator
-from operators.extract import ExtractShardOperator, PlanShardsOperator
-from operators.merge import MergeOperator
-from operators.preflight import PreflightOperator
-from operators.train import DRAFTER_ASSET, EvaluateDrafterOperator, TrainDrafterOperator
+from eagle3_airflow.operators.datagen import DatagenOperator
+from eagle3_airflow.operators.extract import ExtractShardOperator, PlanShardsOperator
+from eagle3_airflow.operators.merge import MergeOperator
+from eagle3_airflow.operators.preflight import PreflightOperator
+from eagle3_airflow.operators.train import DRAFTER_ASSET, EvaluateDrafterOperator, TrainDrafterOperator
 
 GPU_QUEUE = "gpu"  # the Celery queue GPU workers listen on (docker-compose.yml)
 GPU_POOL = "gpu"  # one slot per GPU: at most that many GPU tasks at once

@@ -1,4 +1,5 @@
-"""Thin Airflow operators: parse params, call the `eagle3` core, return a small JSON-able summary."""
+"""Thin Airflow operators (installed as eagle3_airflow.operators): parse params, call the `eagle3` core, return a
+small JSON-able summary."""
 
 import logging
 

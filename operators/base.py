@@ -19,7 +19,7 @@ from airflow.sdk.exceptions import AirflowFailException
 
 from eagle3.errors import ConfigError
 from eagle3.knobs import build
-from operators._render import rendered
+from eagle3_airflow.operators._render import rendered
 
 C = TypeVar("C")
 

@@ -7,9 +7,9 @@ from typing import Any, Mapping, Sequence
 from airflow.sdk import Context
 
 from eagle3.datagen.spec import DatagenConfig, DatasetSpec
-from operators._render import rendered
-from operators.base import Eagle3Operator
-from operators.hooks import OpenAICompatibleHook
+from eagle3_airflow.operators._render import rendered
+from eagle3_airflow.operators.base import Eagle3Operator
+from eagle3_airflow.hooks import OpenAICompatibleHook
 
 
 class DatagenOperator(Eagle3Operator[DatagenConfig]):

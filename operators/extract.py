@@ -5,7 +5,7 @@ from typing import Any, Mapping, Sequence
 from airflow.sdk import Context
 
 from eagle3.extract.config import ExtractConfig, ShardPlanConfig
-from operators.base import Eagle3Operator
+from eagle3_airflow.operators.base import Eagle3Operator
 
 
 class PlanShardsOperator(Eagle3Operator[ShardPlanConfig]):
@@ -44,7 +44,7 @@ class ExtractShardOperator(Eagle3Operator[ExtractConfig]):
     def run(self, cfg: ExtractConfig, context: Context) -> dict:
         from eagle3.extract.run import extract_shard
         from eagle3.extract.plan import ShardSpec
-        from operators._render import rendered
+        from eagle3_airflow.operators._render import rendered
 
         out = extract_shard(cfg, ShardSpec.from_dict(rendered(self.shard)), try_number=context["ti"].try_number)
         self.log.info("shard %d: %d chunks, %d tokens, %.2f GB, %.0f tok/s%s", out["shard"], out["chunks"],

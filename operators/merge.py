@@ -3,7 +3,7 @@ from __future__ import annotations
 from airflow.sdk import Context
 
 from eagle3.merge.config import MergeConfig
-from operators.base import Eagle3Operator
+from eagle3_airflow.operators.base import Eagle3Operator
 
 
 class MergeOperator(Eagle3Operator[MergeConfig]):

@@ -5,7 +5,7 @@ from typing import Any, Mapping, Sequence
 from airflow.sdk import BaseOperator, Context
 from airflow.sdk.exceptions import AirflowFailException
 
-from operators.base import hf_output_to_task_log
+from eagle3_airflow.operators.base import hf_output_to_task_log
 
 
 class PreflightOperator(BaseOperator):
@@ -27,7 +27,7 @@ class PreflightOperator(BaseOperator):
         from eagle3.config import check_run
         from eagle3.errors import ConfigError
         from eagle3.preflight import run_preflight
-        from operators.deployment import deployment_problems
+        from eagle3_airflow.deployment import deployment_problems
 
         hf_output_to_task_log()
         try:

@@ -7,7 +7,7 @@ from airflow.sdk.exceptions import AirflowNotFoundException
 
 from eagle3.evaluate.config import EvalConfig
 from eagle3.train.config import TrainConfig
-from operators.base import Eagle3Operator
+from eagle3_airflow.operators.base import Eagle3Operator
 
 # The exported drafter, as an Airflow Asset: the train task is its producer (outlet), so a DAG scheduled on it
 # (`schedule=[DRAFTER_ASSET]`) runs after every training; the event's extra says where the export is.
@@ -33,7 +33,7 @@ class TrainDrafterOperator(Eagle3Operator[TrainConfig]):
         self.mlflow_conn_id = mlflow_conn_id
 
     def mapped_values(self) -> dict[str, Any]:
-        from operators._render import rendered
+        from eagle3_airflow.operators._render import rendered
 
         dirs = sorted(str(d["shard_dir"] if isinstance(d, dict) else d) for d in rendered(self.shard_dirs))
         return {"shard_dirs": dirs, **self._mlflow()}
@@ -42,7 +42,7 @@ class TrainDrafterOperator(Eagle3Operator[TrainConfig]):
         """The MLflow config fields from the Connection; none (TensorBoard only) when it is not defined."""
         if not self.mlflow_conn_id:
             return {}
-        from operators.hooks import MLflowTrackingHook
+        from eagle3_airflow.hooks import MLflowTrackingHook
 
         try:
             conn = MLflowTrackingHook(self.mlflow_conn_id).get_conn()

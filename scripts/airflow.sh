@@ -19,13 +19,13 @@ USER_NAME=admin
 PASSWORD="${EAGLE3_ADMIN_PASSWORD:-admin}"
 
 # The login: SIMPLE_AUTH_MANAGER_USERS is "user:ROLE"; the password comes from the passwords file (else Airflow
-# generates one). The same login lets preflight read the pools through the REST API (operators/deployment.py).
+# generates one). The same login lets preflight read the pools through the REST API (eagle3_airflow/deployment.py).
 export AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS="$USER_NAME:admin"
 export AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_PASSWORDS_FILE="$AIRFLOW_HOME/passwords.json"
 export AIRFLOW__API__PORT="$PORT" AIRFLOW__API__BASE_URL="$URL"
 export AIRFLOW__CORE__EXECUTION_API_SERVER_URL="$URL/execution/"
 export AIRFLOW__CORE__DAGS_ARE_PAUSED_AT_CREATION=False
-export AIRFLOW_CONN_EAGLE3_AIRFLOW_API="{\"conn_type\": \"http\", \"host\": \"$URL\", \"login\": \"$USER_NAME\", \"password\": \"$PASSWORD\"}"
+export AIRFLOW_CONN_EAGLE3_AIRFLOW_API="{\"conn_type\": \"airflow_api\", \"host\": \"$URL\", \"login\": \"$USER_NAME\", \"password\": \"$PASSWORD\"}"
 
 running() { [ -f "$PIDFILE" ] && kill -0 "$(cat "$PIDFILE")" 2>/dev/null; }
 

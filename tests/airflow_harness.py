@@ -141,7 +141,7 @@ class AirflowCluster:
             "AIRFLOW__CORE__PLUGINS_FOLDER": str(plugins_folder),
             "AIRFLOW__CORE__PARALLELISM": "16",
             "AIRFLOW__CORE__EXECUTION_API_SERVER_URL": f"{self.base_url}/execution/",
-            "AIRFLOW__CORE__HOSTNAME_CALLABLE": "eagle3.worker.worker_hostname",
+            "AIRFLOW__CORE__HOSTNAME_CALLABLE": "eagle3_airflow.worker.worker_hostname",
             "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS": f"{ADMIN[0]}:admin",
             "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_PASSWORDS_FILE": str(self.home / "passwords.json"),
             "AIRFLOW__API__BASE_URL": self.base_url,
@@ -164,7 +164,7 @@ class AirflowCluster:
             self.env.update({
                 "AIRFLOW__CELERY__BROKER_URL": f"{REDIS_URL}/{rdb}",
                 "AIRFLOW__CELERY__RESULT_BACKEND": f"db+{db.url.replace('+psycopg2', '')}",
-                "AIRFLOW__CELERY__CELERY_CONFIG_OPTIONS": "operators.celery_config.CELERY_CONFIG",
+                "AIRFLOW__CELERY__CELERY_CONFIG_OPTIONS": "eagle3_airflow.celery_config.CELERY_CONFIG",
                 "AIRFLOW__CELERY__WORKER_CONCURRENCY": "2",
                 "AIRFLOW__CELERY__OPERATION_TIMEOUT": "10",
             })

@@ -152,8 +152,8 @@ def test_a_config_error_fails_the_task_without_retries(tmp_path):
     """A ConfigError is the user's input: AirflowFailException, which Airflow does not retry."""
     from airflow.sdk.exceptions import AirflowFailException
 
-    from operators.merge import MergeOperator
-    from operators.train import TrainDrafterOperator
+    from eagle3_airflow.operators.merge import MergeOperator
+    from eagle3_airflow.operators.train import TrainDrafterOperator
 
     op = MergeOperator(task_id="merge", config={"inputs": [str(tmp_path)], "output_dir": str(tmp_path / "m"),
                                                 "max_seq_len": 0})

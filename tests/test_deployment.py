@@ -1,12 +1,20 @@
 """Preflight's deployment check as pure functions: a pool that does not exist or is too small, a Celery queue no
-worker listens on; each message names the pool/queue, the tasks and the fix. (The check against a real Airflow:
+worker listens on; each message names the pool/queue, the tasks and the fix. The pools as read through the
+Airflow API Connection's hook, against a stand-in API server. (The check against a real Airflow:
 tests/test_airflow_first_hour.py::test_missing_pool_fails_preflight_with_the_reason.)"""
 
 from __future__ import annotations
 
+import json
+import threading
 from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import parse_qs, urlsplit
 
-from operators.deployment import pool_problems, queue_problems, task_needs
+import pytest
+
+from eagle3_airflow.deployment import pool_problems, pool_slots_from_api, queue_problems, task_needs
+from eagle3_airflow.hooks import AirflowApiHook
 
 
 @dataclass
@@ -40,3 +48,63 @@ def test_queue_without_a_worker():
     assert "Celery queue 'gpu'" in p and "['extract']" in p and "{'w1': ['default']}" in p
     assert "airflow celery worker --queues gpu" in p
     assert len(queue_problems(needed, {})) == 2  # no worker answered at all
+
+
+POOLS = {"default_pool": 128, "gpu": 8, "cpu": 4}
+
+
+class FakeApi(BaseHTTPRequestHandler):
+    """Airflow's /auth/token (login admin / pw) and /api/v2/pools, two pools a page whatever the limit asked."""
+
+    def _send(self, code: int, body: dict) -> None:
+        data = json.dumps(body).encode()
+        self.send_response(code)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_POST(self):
+        login = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        if login == {"username": "admin", "password": "pw"}:
+            self._send(201, {"access_token": "tok"})
+        else:
+            self._send(401, {"detail": "Invalid credentials"})
+
+    def do_GET(self):
+        if self.headers.get("Authorization") != "Bearer tok":
+            return self._send(401, {"detail": "Not authenticated"})
+        url = urlsplit(self.path)
+        if url.path == "/api/v2/version":
+            return self._send(200, {"version": "3.3.2"})
+        offset = int(parse_qs(url.query)["offset"][0])
+        names = sorted(POOLS)[offset:offset + 2]
+        self._send(200, {"pools": [{"name": n, "slots": POOLS[n]} for n in names], "total_entries": len(POOLS)})
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def api():
+    server = ThreadingHTTPServer(("127.0.0.1", 0), FakeApi)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield server.server_address[1]
+    server.shutdown()
+
+
+def test_pools_through_the_api_connection(api, monkeypatch, caplog):
+    def conn(**c):
+        monkeypatch.setenv("AIRFLOW_CONN_EAGLE3_AIRFLOW_API", json.dumps({"conn_type": "airflow_api", **c}))
+
+    monkeypatch.delenv("AIRFLOW_CONN_EAGLE3_AIRFLOW_API", raising=False)
+    assert pool_slots_from_api() is None and "no Connection 'eagle3_airflow_api'" in caplog.text
+    conn(host="127.0.0.1", port=api, login="admin", password="pw")  # host + port: http://127.0.0.1:<port>
+    assert pool_slots_from_api() == POOLS  # two pages
+    ok, message = AirflowApiHook().test_connection()
+    assert ok and message == f"http://127.0.0.1:{api} answered: Airflow 3.3.2"
+    conn(host=f"http://127.0.0.1:{api}/", login="admin", password="wrong")  # a full URL
+    assert pool_slots_from_api() is None
+    assert f"the REST API at http://127.0.0.1:{api} did not answer as expected (HTTPError: 401" in caplog.text
+    ok, message = AirflowApiHook().test_connection()
+    assert not ok and message.startswith("HTTPError: 401"), message

@@ -118,7 +118,7 @@ def test_turn_two_is_asked_after_the_targets_own_greedy_answer(trained, smollm2_
 def test_mtbench_evaluation_of_two_questions_is_lossless_at_each_k(trained, smollm2_path, tmp_path):
     from eagle3.evaluate.config import EvalConfig
     from eagle3.evaluate.run import evaluate_phase
-    from operators.train import EvaluateDrafterOperator
+    from eagle3_airflow.operators.train import EvaluateDrafterOperator
 
     params = {"export_dir": trained[1]["export_dir"], "model_path": str(smollm2_path),
               "output_dir": str(tmp_path / "eval"), "prompts_file": str(two_questions(tmp_path)), "ks": [2, 3],

@@ -59,7 +59,7 @@ def test_real_token_ids_round_trip_through_merge(smollm2_tokenizer, tmp_path):
 
 
 def test_operator_execute_returns_the_summary(tmp_path):
-    from operators.merge import MergeOperator
+    from eagle3_airflow.operators.merge import MergeOperator
 
     for name in ("A", "B"):
         write_dataset(tmp_path / "datagen", name, [

@@ -7,8 +7,8 @@ from collections.abc import Sequence
 
 import pytest
 
-from operators._render import rendered
-from operators.base import hf_output_to_task_log
+from eagle3_airflow.operators._render import rendered
+from eagle3_airflow.operators.base import hf_output_to_task_log
 
 
 def test_hf_output_goes_to_the_task_log_not_stderr(capfd, caplog):
@@ -54,8 +54,8 @@ def test_mlflow_hook_reads_the_tracking_uri_and_tests_it(monkeypatch, tmp_path):
     import json
 
     from eagle3.errors import ConfigError
-    from operators.hooks import MLflowTrackingHook
-    from operators.train import TrainDrafterOperator
+    from eagle3_airflow.hooks import MLflowTrackingHook
+    from eagle3_airflow.operators.train import TrainDrafterOperator
 
     def conn(**c):
         monkeypatch.setenv("AIRFLOW_CONN_EAGLE3_MLFLOW", json.dumps({"conn_type": "mlflow", **c}))

@@ -1,5 +1,6 @@
 """`pip install .` into an existing Airflow: the wheel carries every package of the checkout, the provider and
-plugin entry points, and the DAG file; installed alone (no checkout on the path), Airflow finds all of them."""
+plugin entry points, and the DAG file, all under the project's own import names (no top-level `operators` that
+would collide in a shared Airflow); installed alone (no checkout on the path), Airflow finds all of them."""
 
 from __future__ import annotations
 
@@ -31,23 +32,29 @@ def wheel(tmp_path_factory) -> Path:
     return next(out.glob("eagle3_pipeline-*.whl"))
 
 
+# The design's top-level folders and the packages they install as (pyproject's package-dir).
+MAPPED = {"operators": "eagle3_airflow/operators", "plugins": "eagle3_airflow/plugins", "dags": "eagle3_dags"}
+TOP_LEVEL = {"eagle3", "eagle3_airflow", "eagle3_dags", "eagle3_demo"}  # every import name the wheel claims
+
+
 def checkout_modules() -> set[str]:
-    """Every module of the checkout's packages, as the wheel must hold it (dags/ installs as eagle3_dags)."""
-    mods = {str(p.relative_to(ROOT)) for top in ("eagle3", "operators") for p in (ROOT / top).rglob("*.py")
+    """Every module of the checkout's packages, at the path the wheel must hold it."""
+    mods = {str(p.relative_to(ROOT)) for top in ("eagle3", "eagle3_airflow") for p in (ROOT / top).rglob("*.py")
             if "__pycache__" not in p.parts}
-    return mods | {f"eagle3_dags/{p.name}" for p in (ROOT / "dags").glob("*.py")}
+    return mods | {f"{pkg}/{p.name}" for folder, pkg in MAPPED.items() for p in (ROOT / folder).glob("*.py")}
 
 
 def test_wheel_holds_every_package_and_the_entry_points(wheel):
     names = set(zipfile.ZipFile(wheel).namelist())
     missing = checkout_modules() - names
     assert not missing, f"not installed by `pip install .` (add the package to pyproject's list): {sorted(missing)}"
+    assert {n.split("/")[0] for n in names if ".dist-info/" not in n} == TOP_LEVEL
     assert "eagle3_dags/eagle3_drafter.py" in names
     assert {f"eagle3_demo/{p.name}" for p in (ROOT / "data" / "demo").glob("*.jsonl")} <= names  # form defaults
     ep = next(n for n in names if n.endswith(".dist-info/entry_points.txt"))
     text = zipfile.ZipFile(wheel).read(ep).decode()
-    assert "[apache_airflow_provider]\nprovider_info = operators.provider:get_provider_info" in text
-    assert '[airflow.plugins]\neagle3 = operators.plugin:Eagle3Plugin' in text
+    assert "[apache_airflow_provider]\nprovider_info = eagle3_airflow.get_provider_info:get_provider_info" in text
+    assert '[airflow.plugins]\neagle3 = eagle3_airflow.plugins.shard_view:Eagle3Plugin' in text
     assert "eagle3 = eagle3.cli:main" in text
 
 
@@ -56,14 +63,19 @@ import json, os, sys
 from importlib.metadata import entry_points
 assert not any(p.rstrip("/") == os.environ["CHECKOUT"] for p in sys.path), sys.path
 out = {}
-import operators, eagle3
-out["from"] = [operators.__file__, eagle3.__file__]
+import eagle3, eagle3_airflow.operators.base, eagle3_airflow.plugins.shard_view
+out["from"] = [eagle3.__file__, eagle3_airflow.operators.base.__file__, eagle3_airflow.plugins.shard_view.__file__]
+try:
+    import operators
+    out["operators"] = operators.__file__
+except ModuleNotFoundError:
+    out["operators"] = None
 from airflow.providers_manager import ProvidersManager
 pm = ProvidersManager()
 pm.initialize_providers_hooks()
 info = pm.providers["eagle3-pipeline"]
 out["provider"] = {"version": info.version, "name": info.data["name"]}
-out["hooks"] = {c: pm.hooks[c].hook_class_name for c in ("openai", "mlflow") if pm.hooks.get(c)}
+out["hooks"] = {c: pm.hooks[c].hook_class_name for c in ("openai", "mlflow", "airflow_api") if pm.hooks.get(c)}
 from airflow import plugins_manager
 plugins, errors = plugins_manager._get_plugins()
 out["plugins"] = [(p.name, p.__module__) for p in plugins]
@@ -97,9 +109,17 @@ def test_installed_alone_airflow_finds_provider_plugin_and_dag(wheel, tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert all(f.startswith(str(site)) for f in out["from"]), out["from"]  # the install, not the checkout
+    assert out["from"][1:] == [str(site / "eagle3_airflow" / "operators" / "base.py"),
+                               str(site / "eagle3_airflow" / "plugins" / "shard_view.py")]
+    # `pip install` laid out the mapped folders inside the package: no top-level operators/plugins to collide
+    assert out["operators"] is None
+    assert {p.name for p in site.iterdir() if not p.name.endswith(".dist-info")} - {"bin"} == TOP_LEVEL
     assert out["provider"] == {"version": "0.1.0", "name": "EAGLE-3 pipeline"}
-    assert out["hooks"]["mlflow"] == "operators.hooks.MLflowTrackingHook"
-    assert ("eagle3", "operators.plugin") in [tuple(p) for p in out["plugins"]] and not out["plugin_errors"]
+    assert out["hooks"] == {"openai": "eagle3_airflow.hooks.OpenAICompatibleHook",
+                            "mlflow": "eagle3_airflow.hooks.MLflowTrackingHook",
+                            "airflow_api": "eagle3_airflow.hooks.AirflowApiHook"}
+    plugins = [tuple(p) for p in out["plugins"]]
+    assert ("eagle3", "eagle3_airflow.plugins.shard_view") in plugins and not out["plugin_errors"]
     assert out["dags_folder"] == str(site / "eagle3_dags")
     assert out["dags"] == ["eagle3_drafter"] and not out["import_errors"], out["import_errors"]
     # the form's default prompt files come with the install

@@ -282,7 +282,7 @@ def test_export_names_and_shapes_match_sglang_loader(tmp_path, smollm2_path):
 
 @pytest.mark.slow
 def test_train_operator_skips_a_finished_run(trained):
-    from operators.train import TrainDrafterOperator
+    from eagle3_airflow.operators.train import TrainDrafterOperator
 
     cfg, report = trained
     params = {k: getattr(cfg, k) for k in ("batch_size", "max_steps", "lr", "warmup_ratio", "checkpoint_every",

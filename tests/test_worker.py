@@ -1,7 +1,7 @@
 import os
 import pytest
 
-from eagle3.worker import gpu_for_slot, pin_process_to_gpu, visible_gpus, worker_hostname
+from eagle3_airflow.worker import gpu_for_slot, pin_process_to_gpu, visible_gpus, worker_hostname
 
 
 def test_visible_gpus_order_of_sources():
@@ -28,7 +28,7 @@ def test_pinning_only_when_enabled():
 
 
 def test_tensor_parallel_slots_get_a_group_of_gpus():
-    from eagle3.worker import gpus_for_slot, task_slots
+    from eagle3_airflow.worker import gpus_for_slot, task_slots
 
     gpus = [str(i) for i in range(8)]
     assert [gpus_for_slot(s, gpus, 4) for s in range(3)] == [gpus[:4], gpus[4:], gpus[:4]]
@@ -68,7 +68,7 @@ def test_pool_children_are_pinned_one_gpu_each(monkeypatch):
     each child's index picks its GPU. The Celery integration test checks it inside a real Airflow worker."""
     from billiard import Pool
 
-    import operators.celery_config  # noqa: F401  connects the hook
+    import eagle3_airflow.celery_config  # noqa: F401  connects the hook
 
     monkeypatch.setenv("EAGLE3_PIN_GPUS", "1")
     monkeypatch.setenv("EAGLE3_GPUS", "0,1,2")

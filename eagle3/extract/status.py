@@ -10,7 +10,7 @@ The manifests are the source of truth (see eagle3.extract.format): a shard is
 A rate (tokens/s) is shown only for a shard that is running.
 Everything is read defensively: a manifest being replaced, half-written or from an older format
 gives a row with an `error` rather than an exception, so the UI page never breaks on a live run.
-No Airflow import here: the plugin (operators/plugin.py) only renders what this returns.
+No Airflow import here: the plugin (plugins/shard_view.py) only renders what this returns.
 """
 
 from __future__ import annotations

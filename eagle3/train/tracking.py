@@ -1,5 +1,5 @@
 """Training metrics for the tools users watch runs with: TensorBoard event files, and MLflow when a tracking
-URI is set (the Airflow operator reads it from a Connection: operators/hooks.MLflowTrackingHook).
+URI is set (the Airflow operator reads it from a Connection: eagle3_airflow.hooks.MLflowTrackingHook).
 
 metrics.jsonl stays the phase's own record (plots, report.json); these follow it step by step. A resumed
 run continues them: a session-start marker at the resumed step makes TensorBoard drop the steps a killed

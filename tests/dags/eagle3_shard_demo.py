@@ -84,7 +84,7 @@ with DAG(
         from eagle3.extract.format import ShardManifest, write_chunk
         from eagle3.faults import maybe_inject_fault
         from eagle3.io import remove_stale_temps
-        from eagle3.worker import worker_hostname
+        from eagle3_airflow.worker import worker_hostname
 
         ctx = get_current_context()
         p, ti = ctx["params"], ctx["ti"]

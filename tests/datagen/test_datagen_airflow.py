@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[2]
 DAG_FILE = """
 import json, os
 from airflow.sdk import DAG
-from operators.datagen import DatagenOperator
+from eagle3_airflow.operators.datagen import DatagenOperator
 
 cfg = json.loads(os.environ.get("DG_TEST_CONFIG", '{"out": "/tmp", "tokenizer": "/tmp", "datasets": []}'))
 with DAG("datagen_mapped_test", schedule=None):

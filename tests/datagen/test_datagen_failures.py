@@ -26,7 +26,7 @@ def _client(**kw) -> ClientConfig:
 def test_bad_prompt_file_fails_before_the_local_server_starts(smollm2_path, tmp_path):
     from airflow.sdk.exceptions import AirflowFailException
 
-    from operators.datagen import DatagenOperator
+    from eagle3_airflow.operators.datagen import DatagenOperator
 
     marker = tmp_path / "server-started"
     f = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "Say hi."}, '{"prompt": "cut'])

@@ -58,8 +58,8 @@ def test_no_key_reaches_disk_exception_or_log(smollm2_path, smollm2_tokenizer, t
 def test_hook_and_operator_keep_the_key_off_disk(smollm2_path, tmp_path, monkeypatch, caplog):
     """The operator in remote mode: endpoint and key from an AIRFLOW_CONN_ Connection (a host with user:key@ and a
     password); the echoed key is in no file, no log line and not in the task's failure."""
-    from operators.datagen import DatagenOperator
-    from operators.hooks import OpenAICompatibleHook
+    from eagle3_airflow.operators.datagen import DatagenOperator
+    from eagle3_airflow.hooks import OpenAICompatibleHook
 
     key, url_key = "sk-conn-password-5b2d0e", "sk-conn-userinfo-93af11"
     f = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "Say hi."}])
@@ -89,7 +89,7 @@ def test_hook_and_operator_keep_the_key_off_disk(smollm2_path, tmp_path, monkeyp
 
 def test_hook_base_url_rules(monkeypatch):
     from eagle3.errors import ConfigError
-    from operators.hooks import OpenAICompatibleHook
+    from eagle3_airflow.hooks import OpenAICompatibleHook
 
     def endpoint(**conn) -> Endpoint:
         monkeypatch.setenv("AIRFLOW_CONN_EAGLE3_RULES", json.dumps({"conn_type": "openai", **conn}))

@@ -222,7 +222,7 @@ def test_local_server_dies_with_a_sigkilled_task(smollm2_path, smollm2_gguf, tmp
 def test_operator_remote_mode_key_from_connection(llama_server, smollm2_path, tmp_path, monkeypatch, caplog):
     from airflow.sdk._shared.secrets_masker.secrets_masker import redact
 
-    from operators.datagen import DatagenOperator
+    from eagle3_airflow.operators.datagen import DatagenOperator
 
     key = "sk-eagle3-test-9f8e7d6c5b4a"
     f = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "Say hi."}, {"conversations": [{"from": "human", "value": "Yes?"}]}])
@@ -253,7 +253,7 @@ def test_operator_remote_mode_key_from_connection(llama_server, smollm2_path, tm
 
 
 def test_operator_local_mode_starts_and_stops_the_server(smollm2_path, smollm2_gguf, tmp_path, caplog):
-    from operators.datagen import DatagenOperator
+    from eagle3_airflow.operators.datagen import DatagenOperator
 
     f = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "Say hi."}, {"prompt": "Say yes."}])
     op = DatagenOperator(task_id="datagen", dataset={"name": "L", "prompt_file": str(f), "max_tokens": 8},

@@ -4,7 +4,7 @@ A Celery GPU worker runs `--concurrency <gpus / gpus per task>` child processes;
 stable process index, reused when a child is replaced) gets CUDA_VISIBLE_DEVICES=<its group of GPUs>,
 and every task it runs inherits that: an 8-GPU host runs 8 shards at once, one GPU each, or with
 EAGLE3_GPUS_PER_TASK=4 (tensor-parallel shards of extract_tp_size 4) 2 shards of 4 GPUs each.
-The Celery glue that calls this lives in operators/celery_config.py; this module has no
+The Celery glue that calls this lives in eagle3_airflow/celery_config.py; this module has no
 Airflow or Celery import so it can be tested alone.
 """
 
@@ -102,6 +102,6 @@ def pin_process_to_gpu(slot: int, env: dict[str, str] | None = None) -> str | No
 
 
 def worker_hostname() -> str:
-    """Hostname Airflow records per task (set [core] hostname_callable to eagle3.worker.worker_hostname):
+    """Hostname Airflow records per task (set [core] hostname_callable to eagle3_airflow.worker.worker_hostname):
     EAGLE3_WORKER_NAME when set (several workers on one host stay distinguishable), else the FQDN."""
     return os.environ.get("EAGLE3_WORKER_NAME") or socket.getfqdn()

@@ -9,8 +9,7 @@ from importlib.metadata import PackageNotFoundError, version
 
 PACKAGE = "eagle3-pipeline"
 INTEGRATION = "EAGLE-3 drafter training"
-OPERATOR_MODULES = ["operators.preflight", "operators.datagen", "operators.merge", "operators.extract",
-                    "operators.train"]
+OPERATOR_MODULES = [f"eagle3_airflow.operators.{m}" for m in ("preflight", "datagen", "merge", "extract", "train")]
 
 
 def _version() -> str:
@@ -30,12 +29,14 @@ def get_provider_info() -> dict:
         "versions": [_version()],
         "integrations": [{"integration-name": INTEGRATION, "tags": ["software"]}],
         "operators": [{"integration-name": INTEGRATION, "python-modules": OPERATOR_MODULES}],
-        "hooks": [{"integration-name": INTEGRATION, "python-modules": ["operators.hooks"]}],
+        "hooks": [{"integration-name": INTEGRATION, "python-modules": ["eagle3_airflow.hooks"]}],
         "connection-types": [
-            {"connection-type": "openai", "hook-class-name": "operators.hooks.OpenAICompatibleHook",
+            {"connection-type": "openai", "hook-class-name": "eagle3_airflow.hooks.OpenAICompatibleHook",
              "hook-name": "OpenAI-compatible endpoint"},
-            {"connection-type": "mlflow", "hook-class-name": "operators.hooks.MLflowTrackingHook",
+            {"connection-type": "mlflow", "hook-class-name": "eagle3_airflow.hooks.MLflowTrackingHook",
              "hook-name": "MLflow tracking server"},
+            {"connection-type": "airflow_api", "hook-class-name": "eagle3_airflow.hooks.AirflowApiHook",
+             "hook-name": "Airflow REST API"},
         ],
-        "plugins": [{"name": "eagle3", "plugin-class": "operators.plugin.Eagle3Plugin"}],
+        "plugins": [{"name": "eagle3", "plugin-class": "eagle3_airflow.plugins.shard_view.Eagle3Plugin"}],
     }

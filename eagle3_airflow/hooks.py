@@ -1,10 +1,15 @@
-"""The endpoint of an OpenAI-compatible server from an Airflow Connection, as the OpenAI provider's hook reads it.
+"""The provider's hooks: each owns one Airflow Connection type, its fields in the Connections form and its Test button.
+
+    openai       OpenAICompatibleHook  an OpenAI-compatible server (datagen's endpoint)
+    mlflow       MLflowTrackingHook    an MLflow tracking server (the train task's metrics)
+    airflow_api  AirflowApiHook        this Airflow's REST API (preflight's pool check)
 
     AIRFLOW_CONN_EAGLE3_LLM='{"conn_type": "openai", "host": "https://openrouter.ai/api/v1", "password": "sk-..."}'
 
-The base URL is `extra.base_url` (or the OpenAI provider's `extra.openai_client_kwargs.base_url`) if set, else
-`host` when it is a full URL, else `http(s)://host[:port]/v1` (`schema` picks https). The API key is the
-password; it is registered with Airflow's secret masker and eagle3's redaction before anything can print it.
+The OpenAI-compatible endpoint is read as the OpenAI provider's hook reads it: the base URL is `extra.base_url`
+(or the OpenAI provider's `extra.openai_client_kwargs.base_url`) if set, else `host` when it is a full URL, else
+`http(s)://host[:port]/v1` (`schema` picks https). The API key is the password; it is registered with Airflow's
+secret masker and eagle3's redaction before anything can print it.
 """
 
 from __future__ import annotations
@@ -13,6 +18,8 @@ import json
 import urllib.error
 import urllib.request
 from typing import Any
+
+import requests
 
 from airflow.sdk import BaseHook, Connection
 from airflow.sdk.log import mask_secret
@@ -166,3 +173,69 @@ class MLflowTrackingHook(BaseHook):
             return True, f"{uri} answered: experiments {[e.name for e in found]}"
         except Exception as e:  # noqa: BLE001 - the UI's Test button shows any failure as text
             return False, f"{type(e).__name__}: {e}"
+
+
+class AirflowApiHook(BaseHook):
+    """This Airflow's REST API, logged in as the Connection's user (preflight reads the pools through it: task code
+    cannot read the metadata DB in Airflow 3).
+
+        AIRFLOW_CONN_EAGLE3_AIRFLOW_API='{"conn_type": "airflow_api", "host": "http://api-server:8080",
+                                          "login": "admin", "password": "..."}'
+
+    The base URL is `host` when it is a full URL, else `http(s)://host[:port]` (`schema` picks https). A
+    Connection of another type (e.g. "http") with the same fields works too.
+
+    :param conn_id: the Airflow Connection of the API server
+    :param timeout_s: timeout of each request
+    """
+
+    conn_name_attr = "conn_id"
+    default_conn_name = "eagle3_airflow_api"
+    conn_type = "airflow_api"
+    hook_name = "Airflow REST API"
+
+    def __init__(self, conn_id: str = default_conn_name, timeout_s: float = 15.0) -> None:
+        super().__init__()
+        self.conn_id = conn_id
+        self.timeout_s = timeout_s
+        self.base_url: str | None = None  # known once get_conn has read the Connection
+        self._session: requests.Session | None = None
+
+    @classmethod
+    def get_ui_field_behaviour(cls) -> dict[str, Any]:
+        return {"hidden_fields": ["extra"],
+                "relabeling": {"host": "API base URL (or host)", "schema": "http or https"},
+                "placeholders": {"host": "http://localhost:8080", "login": "admin"}}
+
+    def get_conn(self) -> requests.Session:
+        """A session with a bearer token from `POST {base_url}/auth/token` (the Connection's login and password)."""
+        if self._session is None:
+            conn = self.get_connection(self.conn_id)
+            host = (conn.host or "").strip().rstrip("/")
+            if not host:
+                raise ConfigError(f"connection {self.conn_id!r} has no host: set the API's base URL")
+            self.base_url = host if host.startswith(("http://", "https://")) else _http_url(conn)
+            if conn.password:
+                mask_secret(conn.password)
+            r = requests.post(f"{self.base_url}/auth/token", json={"username": conn.login, "password": conn.password},
+                              timeout=self.timeout_s)
+            r.raise_for_status()
+            session = requests.Session()
+            session.headers["Authorization"] = f"Bearer {r.json()['access_token']}"
+            self._session = session
+        return self._session
+
+    def get_json(self, path: str, **params: Any) -> Any:
+        """GET {base_url}{path} (e.g. "/api/v2/pools") with the token; the decoded JSON body."""
+        session = self.get_conn()
+        r = session.get(f"{self.base_url}{path}", params=params, timeout=self.timeout_s)
+        r.raise_for_status()
+        return r.json()
+
+    def test_connection(self) -> tuple[bool, str]:
+        """Log in and read the API's version: (True, what answered) or (False, why not)."""
+        try:
+            version = self.get_json("/api/v2/version").get("version")
+            return True, f"{self.base_url} answered: Airflow {version}"
+        except (requests.RequestException, KeyError, ValueError) as e:
+            return False, f"{type(e).__name__}: {e}"[:300]

@@ -5,8 +5,8 @@ one on a Celery queue no worker listens on stays "queued": both silently, with a
 `deployment_problems(dag)` first, so the run fails in seconds with the reason and the fix instead.
 
 Task code cannot read the metadata DB in Airflow 3 (the ORM is blocked in task processes), so the pools come
-from the REST API (`GET /api/v2/pools`) with the login of the Connection `eagle3_airflow_api`
-(conn type http: host = the API's base URL, login, password; scripts/airflow.sh and the compose stack set it).
+from the REST API (`GET /api/v2/pools`) through the Connection `eagle3_airflow_api` (eagle3_airflow.hooks.
+AirflowApiHook: host = the API's base URL, login, password; scripts/airflow.sh and the compose stack set it).
 Without that Connection the pool check is skipped with a warning. The queues come from the Celery workers
 themselves (`inspect().active_queues()`), only under the CeleryExecutor (other executors ignore queues).
 """
@@ -19,8 +19,6 @@ from typing import Any, Iterable
 import requests
 
 log = logging.getLogger(__name__)
-
-API_CONN_ID = "eagle3_airflow_api"
 
 
 def task_needs(tasks: Iterable[Any]) -> tuple[dict[str, dict[str, int]], dict[str, list[str]]]:
@@ -59,39 +57,28 @@ def queue_problems(needed: dict[str, list[str]], active: dict[str, list[dict]]) 
             for queue, tasks in sorted(needed.items()) if queue not in listening]
 
 
-def pool_slots_from_api(conn_id: str = API_CONN_ID, timeout_s: float = 15.0) -> dict[str, int] | None:
-    """{pool: slots} through the REST API with the Connection's login; None (and a warning) when unavailable."""
-    from airflow.sdk import BaseHook
+def pool_slots_from_api(conn_id: str | None = None, timeout_s: float = 15.0) -> dict[str, int] | None:
+    """{pool: slots} through the REST API (AirflowApiHook); None (and a warning) when unavailable."""
     from airflow.sdk.exceptions import AirflowNotFoundException
 
+    from eagle3_airflow.hooks import AirflowApiHook
+
+    hook = AirflowApiHook(conn_id or AirflowApiHook.default_conn_name, timeout_s=timeout_s)
     try:
-        conn = BaseHook.get_connection(conn_id)
-    except AirflowNotFoundException:
-        log.warning("pool check skipped: no Connection %r (http: host = the API's base URL, login, password)",
-                    conn_id)
-        return None
-    base = (conn.host or "").rstrip("/")
-    if not base.startswith(("http://", "https://")):
-        base = f"{conn.schema or 'http'}://{base}{f':{conn.port}' if conn.port else ''}"
-    try:
-        r = requests.post(f"{base}/auth/token", json={"username": conn.login, "password": conn.password},
-                          timeout=timeout_s)
-        r.raise_for_status()
-        headers = {"Authorization": f"Bearer {r.json()['access_token']}"}
         slots, offset = {}, 0
         while True:
-            page = requests.get(f"{base}/api/v2/pools", params={"limit": 100, "offset": offset}, headers=headers,
-                                timeout=timeout_s)
-            page.raise_for_status()
-            body = page.json()
+            body = hook.get_json("/api/v2/pools", limit=100, offset=offset)
             slots.update({p["name"]: p["slots"] for p in body["pools"]})
             offset += len(body["pools"])
             if not body["pools"] or offset >= body["total_entries"]:
                 return slots
+    except AirflowNotFoundException:
+        log.warning("pool check skipped: no Connection %r (type airflow_api: host = the API's base URL, login, "
+                    "password)", hook.conn_id)
     except (requests.RequestException, KeyError, ValueError) as e:
-        log.warning("pool check skipped: the REST API at %s did not answer as expected (%s)", base,
+        log.warning("pool check skipped: the REST API at %s did not answer as expected (%s)", hook.base_url,
                     f"{type(e).__name__}: {e}"[:300])
-        return None
+    return None
 
 
 def active_celery_queues(timeout_s: float = 5.0) -> dict[str, list[dict]] | None:
