@@ -2,7 +2,7 @@
 
 import json
 
-from bench import extract_bench
+from bench import extract_bench, train_bench
 
 
 def test_extract_bench_smoke_measures_every_option_on_the_cpu(tmp_path):
@@ -20,3 +20,9 @@ def test_extract_bench_smoke_measures_every_option_on_the_cpu(tmp_path):
     assert all(0 < e["rel_l2"] < 0.5 and e["cosine_mean"] > 0.9 for e in fp8["state_error"])
     assert set(tiny["interleaved"]["variants"]) == {"extractor-pad1", "extractor-padauto"}
 
+
+def test_train_bench_speed_runs_a_tiny_drafter_on_the_cpu(tmp_path):
+    out = tmp_path / "speed.json"
+    info = train_bench.speed("tiny", "eager", 3, 2, str(out))
+    (r,) = json.loads(out.read_text())["results"]
+    assert len(info["results"]) == 1 and r["shape"] == "tiny" and "error" not in r and r["tokens_per_s"] > 0
