@@ -1,15 +1,15 @@
-"""The evaluation's speed: today's one-prompt evaluator against the batched one, in one process, same prompts.
+"""Evaluation benchmark: the evaluate phase's decoder on MT-bench, against the one-prompt evaluator as baseline.
 
 Prompts: MT-bench's 160 turns (turn 2 after the target's own greedy turn-1 answer, built once and shared).
-- batched:    eagle3.evaluate.spec_batch.BatchedDecoder: every turn at once per k, lossless by a teacher-forced
-              check (its `greedy` = speculation at k verified in one target forward per batch).
-- sequential: eagle3.evaluate.speculative (today's): one prompt at a time, plus HF greedy generate per prompt as
-              the lossless reference. Slow: --sequential-turns limits it to the first N turns (figures per
-              token make the two comparable; the summary says how many turns each ran).
+- batched (the evaluate phase): eagle3.evaluate.spec_batch.BatchedDecoder, every turn at once per k, lossless by a
+  teacher-forced check (its `greedy` = speculation at k verified in one target forward per batch).
+- sequential (the baseline, `EvalConfig.decoder="sequential"`): eagle3.evaluate.speculative, one prompt at a time,
+  plus HF greedy generate per prompt as the lossless reference. Slow: --sequential-turns limits it to the first
+  N turns (0 = none; tokens/s makes the two comparable; the summary says how many turns each ran).
 Both must give the same tokens where both ran. Writes eval_speed.json to --out.
 
-    python bench/eval_speed.py --model DIR --export DRAFTER_EXPORT --prompts mtbench.jsonl --out $OUT  # GPU
-    python bench/eval_speed.py --smoke --out /tmp/es                                     # CPU: random tiny drafter
+    python bench/evaluate_bench.py --model DIR --export DRAFTER_EXPORT --prompts mtbench.jsonl --out $OUT  # GPU
+    python bench/evaluate_bench.py --smoke --out /tmp/es                                # CPU: random tiny drafter
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from eagle3.evaluate.evaluation import build_turn_prompts, read_conversations, s
 from eagle3.evaluate.spec_batch import BatchedDecoder, check_summary, teacher_forced_check  # noqa: E402
 from eagle3.evaluate.speculative import SpeculativeDecoder, tau_of  # noqa: E402
 
-log = logging.getLogger("eval_speed")
+log = logging.getLogger("evaluate_bench")
 
 
 def sync():

@@ -1,0 +1,266 @@
+"""What bench/extract_bench.py measures the extractor against: the targets it extracts from (random-weight Llama
+shapes, their FLOPs a token, FP8 on load) and the machine's limits (matmul rate, fsynced disk rate).
+
+Roofline = matmul rate / model FLOPs a token; disk limit = disk rate / stored bytes a token.
+"""
+
+from __future__ import annotations
+
+import gc
+import hashlib
+import itertools
+import os
+import shutil
+import statistics
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from eagle3.extract.backend import HFBackend
+from eagle3.extract.format import _start_writeback
+
+SHAPES = {
+    "135m": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                 num_key_value_heads=3, vocab_size=49152, max_position_embeddings=8192, rope_theta=100000.0,
+                 tie_word_embeddings=True),
+    "1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+               num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0,
+               tie_word_embeddings=True),
+    "8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+               num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0,
+               tie_word_embeddings=False),
+    "tiny": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=8, num_attention_heads=4,  # --smoke
+                 num_key_value_heads=2, vocab_size=1024, max_position_embeddings=2048, rope_theta=10000.0,
+                 tie_word_embeddings=True),
+}
+DEFAULT_BUDGET = {"real": 65536, "135m": 65536, "1b": 65536, "8b": 32768, "tiny": 1024}
+FP8_MAX = 448.0
+
+
+def sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# -- targets ----------------------------------------------------------------------------------
+
+def build_model(name: str, device, dtype, real_path: str | None):
+    """(model, model_path): the real SmolLM2 from its HF folder, or a random-weight shape (seed 0: a second call
+    builds the same weights)."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    if name == "real":
+        model = AutoModelForCausalLM.from_pretrained(real_path, dtype=dtype).to(device).eval()
+        return model, str(real_path)
+    cfg = LlamaConfig(**SHAPES[name], rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = LlamaForCausalLM._from_config(cfg, dtype=dtype)
+    return model.eval(), f"random-{name}"
+
+
+def model_flops_per_sample(cfg, lengths: np.ndarray) -> float:
+    """Forward FLOPs without lm_head: 2 x linear params per token + causal attention (QK^T and AV)."""
+    H, I, Lyr = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers
+    hd = getattr(cfg, "head_dim", None) or H // cfg.num_attention_heads
+    q, kv = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
+    linear = Lyr * (H * q + 2 * H * kv + q * H + 3 * H * I)
+    lengths = lengths.astype(np.float64)
+    attn = 4.0 * Lyr * q * lengths * (lengths + 1) / 2
+    return float((2.0 * linear * lengths + attn).sum())
+
+
+def make_samples(n_tokens: int, lo: int, hi: int, vocab: int, seed: int) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    out, total = [], 0
+    while total < n_tokens:
+        n = int(rng.integers(lo, hi + 1))
+        out.append(rng.integers(3, vocab, n).tolist())
+        total += n
+    return out
+
+
+def quantize_fp8(model) -> str:
+    """FP8 on load, in place. On a GPU: torchao's float8 dynamic activations with per-row e4m3 weights on the
+    decoder (the `fp8` extra; compute capability >= 8.9); the lm_head is never run. On the CPU, where those
+    kernels do not run: every decoder linear weight rounded to e4m3 with one scale per row, kept in the compute
+    dtype (checks the code path, not the rate)."""
+    if model.device.type == "cuda":
+        import torchao
+        from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow, quantize_
+
+        quantize_(model.model, Float8DynamicActivationFloat8WeightConfig(granularity=PerRow()))
+        return f"torchao {torchao.__version__} Float8DynamicActivationFloat8Weight PerRow"
+    with torch.no_grad():
+        for mod in model.model.layers.modules():
+            if isinstance(mod, torch.nn.Linear):
+                w = mod.weight.float()
+                scale = w.abs().amax(dim=1, keepdim=True).clamp_min(1e-12) / FP8_MAX
+                mod.weight.copy_(((w / scale).to(torch.float8_e4m3fn).float() * scale).to(mod.weight.dtype))
+    return "simulated: decoder weights rounded to e4m3, per-row scales"
+
+
+@torch.inference_mode()
+def states_error(ref_model, model, layers: list[int], dtype_name: str, ids: torch.Tensor) -> list[dict]:
+    """Per capture layer and the final state: relative L2 error and mean cosine of `model`'s states against
+    `ref_model`'s on the same ids. Random weights say how fast, not how accurate a trained model would be."""
+    backends = [HFBackend(model=ref_model), HFBackend(model=model)]
+    for b in backends:
+        b.load("random", dtype_name, str(ids.device), layers)
+    (ra, rf), (qa, qf) = (b.capture(ids) for b in backends)
+    out = []
+    for name, r, q in [*[(f"hidden_states[{i}]", a, b) for i, a, b in zip(layers, ra, qa)], ("final", rf, qf)]:
+        r, q = r.float().flatten(0, 1), q.float().flatten(0, 1)
+        out.append({"layer": name, "rel_l2": ((q - r).norm() / r.norm()).item(),
+                    "cosine_mean": torch.nn.functional.cosine_similarity(q, r, dim=-1).mean().item(),
+                    "ref_abs_max": r.abs().max().item()})
+    return out
+
+
+# -- the machine's limits ---------------------------------------------------------------------
+
+def matmul_probe(device, dtype, n: int, reps: int) -> float:
+    """Median FLOP/s of an n x n x n matmul on random data."""
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    for _ in range(3):
+        a @ b
+    sync(device)
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        a @ b
+        sync(device)
+        times.append(time.perf_counter() - t)
+    return 2 * n ** 3 / statistics.median(times)
+
+
+def matmul_sustained(device, dtype, n: int, seconds: float) -> dict:
+    """n^3 matmuls back to back for `seconds`, timed in groups of ~0.1 s: the rate the GPU holds once its
+    clocks settle under load (an H200 at its power limit clocks down within seconds of dense GEMM work), which
+    is what a minutes-long extraction gets, beside the first group's (burst) rate."""
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    a @ b
+    sync(device)
+    per_group = max(1, int(0.1 * 7e14 / (2 * n ** 3)))  # ~0.1 s at ~700 TFLOP/s
+    rates, t_end = [], time.perf_counter() + seconds
+    while time.perf_counter() < t_end:
+        t = time.perf_counter()
+        for _ in range(per_group):
+            a @ b
+        sync(device)
+        rates.append(per_group * 2 * n ** 3 / (time.perf_counter() - t))
+    half = rates[len(rates) // 2:]
+    return {"seconds": seconds, "groups": len(rates), "first_group": rates[0], "max_group": max(rates),
+            "sustained": statistics.median(half), "rates": [round(r / 1e12, 1) for r in rates]}
+
+
+def disk_probe(folder: Path, total_bytes: int, file_bytes: int, writers: int, early_writeback: bool = False) -> float:
+    """Sustained bytes/s writing files of `file_bytes`, each fsynced (which defeats the page cache), with
+    `writers` threads at once; with `early_writeback`, each 64 MB written is queued for the disk at once, as the
+    extractor's chunk writer does."""
+    folder.mkdir(parents=True, exist_ok=True)
+    block = np.random.default_rng(0).integers(0, 255, 64 << 20, dtype=np.uint8).tobytes()
+    n_files = max(writers, total_bytes // file_bytes)
+    counter = iter(range(n_files))
+    lock = threading.Lock()
+
+    def work():
+        while True:
+            with lock:
+                i = next(counter, None)
+            if i is None:
+                return
+            with open(folder / f"probe-{i}.bin", "wb") as f:
+                left = file_bytes
+                while left > 0:
+                    f.write(block[:min(left, len(block))])
+                    left -= len(block)
+                    if early_writeback:
+                        _start_writeback(f)
+                f.flush()
+                os.fsync(f.fileno())
+
+    t = time.perf_counter()
+    threads = [threading.Thread(target=work) for _ in range(writers)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    dt = time.perf_counter() - t
+    shutil.rmtree(folder, ignore_errors=True)
+    return n_files * file_bytes / dt
+
+
+def sha256_rate() -> float:
+    """Bytes/s of one thread hashing (the extractor hashes every chunk it writes)."""
+    blob = np.random.default_rng(1).integers(0, 255, 256 << 20, dtype=np.uint8).tobytes()
+    t = time.perf_counter()
+    hashlib.sha256(blob).hexdigest()
+    return len(blob) / (time.perf_counter() - t)
+
+
+def machine_limits(device, dtype, work: Path, writers: list[int], chunk_mbs: list[int], disk_gb: float,
+                   matmul_n: int | None) -> dict:
+    """The matmul rate, and the disk: the best of 1, 2 and as many fsynced writers as the extractor uses (a cloud
+    block device gives more with more streams in flight), with and without early writeback, per chunk size."""
+    cuda = device.type == "cuda"
+    n = matmul_n or (8192 if cuda else 1024)
+    res = {"matmul_n": n, "matmul_flops": matmul_probe(device, dtype, n, reps=20 if cuda else 5)}
+    print(f"matmul {dtype} {n}^3: {res['matmul_flops'] / 1e12:.1f} TFLOP/s", flush=True)
+    probes, one_size = {}, len(set(chunk_mbs)) == 1
+    for mb in sorted(set(chunk_mbs)):
+        for w, early in itertools.product(sorted({1, 2, max(writers)}), (False, True)):
+            key = f"{w}_writers" + ("" if one_size else f"_{mb}mb") + ("_early_writeback" if early else "")
+            probes[key] = disk_probe(work / "disk", int(disk_gb * 1e9), mb << 20, writers=w, early_writeback=early)
+    res["disk_bytes_per_s"] = probes
+    res["sha256_bytes_per_s"] = sha256_rate()
+    print(f"sha256 (one thread): {res['sha256_bytes_per_s'] / 1e9:.2f} GB/s", flush=True)
+    print("disk write+fsync: " + ", ".join(f"{v / 1e9:.2f} GB/s ({k})" for k, v in probes.items()), flush=True)
+    return res
+
+
+def interleaved_rounds(rounds: int, probe, extracts: dict, bytes_per_token: int) -> dict:
+    """probe, extract, probe, extract, ..., probe: each extraction run is measured against the mean of the disk
+    probes just before and after it, so a block device whose rate drifts within minutes (this one: 1.67-2.24
+    GB/s) is compared with itself at that time, not with a probe taken once at the start. With several variants
+    (`extracts`: label -> run), each round runs each of them in turn, every run between two probes."""
+    probes, runs = [probe()], []
+    for i in range(rounds):
+        for label, extract in extracts.items():
+            r = extract()
+            probes.append(probe())
+            limit = (probes[-2] + probes[-1]) / 2 / bytes_per_token
+            runs.append({"variant": label, "tok_per_s_wall": r["tok_per_s_wall"],
+                         "steady_tok_per_s": r["steady_tok_per_s"], "wall_s": r["wall_s"], "tokens": r["tokens"],
+                         "bytes": r["bytes"], "disk_before": probes[-2], "disk_after": probes[-1],
+                         "disk_limit_tok_per_s": limit, "fraction_of_disk_limit": r["tok_per_s_wall"] / limit,
+                         **{k: r.get(k) for k in ("compute_waited_for_writers_s", "writer_busy_fraction",
+                                                  "host_buffer_alloc_s", "setup_s", "tail_s")}})
+            print(f"round {i} {label}: {r['tok_per_s_wall']:.0f} tok/s wall ({r['bytes'] / r['wall_s'] / 1e9:.2f} "
+                  f"GB/s), disk {probes[-2] / 1e9:.2f} -> {probes[-1] / 1e9:.2f} GB/s, "
+                  f"{100 * runs[-1]['fraction_of_disk_limit']:.0f}% of the disk limit; compute waited for writers "
+                  f"{r.get('compute_waited_for_writers_s')} s, writers busy {r.get('writer_busy_fraction')}", flush=True)
+    by_variant = {}
+    for label in extracts:
+        mine = [r for r in runs if r["variant"] == label]
+        tokens, wall = sum(r["tokens"] for r in mine), sum(r["wall_s"] for r in mine)
+        # the disk limit of a variant: its runs' neighbouring probes, weighted by each run's wall time
+        limit = sum(r["disk_limit_tok_per_s"] * r["wall_s"] for r in mine) / wall
+        by_variant[label] = {"tok_per_s_wall": tokens / wall, "disk_limit_tok_per_s": limit,
+                             "fraction_of_disk_limit": tokens / wall / limit}
+        print(f"{label}: {tokens / wall:.0f} tok/s over {len(mine)} runs, "
+              f"{100 * tokens / wall / limit:.1f}% of the disk limit around them", flush=True)
+    return {"probes_bytes_per_s": probes, "runs": runs, "variants": by_variant}
+
+
+def empty_pinned_host_cache(device=None) -> None:
+    """Free the pinned host blocks torch keeps for reuse, so the next pin pays as in a fresh process (without it a
+    run after the first pins nothing). torch 2.11 has no public call for it."""
+    gc.collect()
+    torch.cuda.synchronize(device)
+    torch._C._host_emptyCache()

@@ -1,0 +1,28 @@
+"""The benchmarks' CPU modes still run the code paths the GPU figures come from (bench/; docs/benchmarks.md)."""
+
+import json
+
+from bench import extract_bench, train_bench
+
+
+def test_extract_bench_smoke_measures_every_option_on_the_cpu(tmp_path):
+    out = tmp_path / "extract.json"
+    assert extract_bench.main(["--smoke", "--work-dir", str(tmp_path / "work"), "--out", str(out)]) == 0
+    models = json.loads(out.read_text())["models"]
+    tiny = models["tiny"]
+    assert tiny["capture_layers"] == [2, 4, 5] and tiny["extractor"]["tokens"] == tiny["tokens"]
+    assert 0 < tiny["fraction_of_limit"] and tiny["ratio_to_naive"] > 0
+    assert models["tiny-fp8"]["storage"] == "float8_e4m3fn"
+    fp8 = tiny["fp8_weights"]
+    assert fp8["method"].startswith("simulated") and fp8["extractor"]["tokens"] == tiny["tokens"]
+    assert [e["layer"] for e in fp8["state_error"]] == ["hidden_states[2]", "hidden_states[4]", "hidden_states[5]",
+                                                       "final"]
+    assert all(0 < e["rel_l2"] < 0.5 and e["cosine_mean"] > 0.9 for e in fp8["state_error"])
+    assert set(tiny["interleaved"]["variants"]) == {"extractor-pad1", "extractor-padauto"}
+
+
+def test_train_bench_speed_runs_a_tiny_drafter_on_the_cpu(tmp_path):
+    out = tmp_path / "speed.json"
+    info = train_bench.speed("tiny", "eager", 3, 2, str(out))
+    (r,) = json.loads(out.read_text())["results"]
+    assert len(info["results"]) == 1 and r["shape"] == "tiny" and "error" not in r and r["tokens_per_s"] > 0
