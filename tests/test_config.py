@@ -1,23 +1,27 @@
-"""The run configuration (eagle3.config): one definition per param, from the trigger form to each phase."""
+"""The run configuration (eagle3.config): shared sections declared once, composed from the trigger form, resolved
+once by preflight, handed to every phase."""
 
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 
-from eagle3.config import (PHASE_CLASSES, check_run, form_params, model_facts, phase_template, phase_values, run_dir,
+from eagle3.config import (PHASES, SHARED, RunConfig, check_run, form_params, phase_config, resolve, run_dir,
                            with_form_defaults)
 from eagle3.errors import ConfigError
 from eagle3.extract.config import ExtractConfig
 from eagle3.knobs import build
 from eagle3.merge.config import MergeConfig
+from eagle3.sections import DataConfig, TargetConfig
 from eagle3.train.config import TrainConfig
+
+REMOTE = {"datagen_mode": "remote", "datagen_conn_id": "c", "served_model_name": "m"}  # no local server to resolve
 
 
 def form(smollm2_path, tmp_path, **conf):
-    return with_form_defaults({"model_path": str(smollm2_path), "output_root": str(tmp_path), "run_name": "r",
-                               **conf})
+    return {"model_path": str(smollm2_path), "output_root": str(tmp_path), "run_name": "r", **REMOTE, **conf}
 
 
 def test_every_form_param_is_one_knob_and_its_default_is_the_knobs():
@@ -29,52 +33,57 @@ def test_every_form_param_is_one_knob_and_its_default_is_the_knobs():
     ttt = TrainConfig.__dataclass_fields__["ttt_steps"].metadata["eagle3_knob"]
     assert params["ttt_steps"]["schema"]["maximum"] == ttt["max"]
     with pytest.raises(ConfigError, match="ttt_steps"):
-        build(TrainConfig, {"shard_dirs": ["x"], "model_path": "m", "output_dir": "o", "ttt_steps": ttt["max"] + 1},
-              "train")
+        build(TrainConfig, {"target": {"model_path": "m"}, "output_dir": "o", "ttt_steps": ttt["max"] + 1}, "train")
     for name, p in params.items():
         assert p["description"] and p["section"], name
 
 
-def test_a_param_fed_to_several_phases_has_the_same_bounds_in_each():
-    """max_seq_len is declared by merge (the form) and fed to training: a value one accepts the other must too."""
-    from eagle3.config import FORM_CLASSES, PHASE_SOURCES, FromParam
-
-    declared = {f.metadata["eagle3_knob"]["param"]: f.metadata["eagle3_knob"] for cls in FORM_CLASSES
-                for f in dataclasses.fields(cls) if f.metadata.get("eagle3_knob", {}).get("param")}
-    checked = 0
-    for phase, sources in PHASE_SOURCES.items():
-        fields = PHASE_CLASSES[phase].__dataclass_fields__
-        for name, src in sources.items():
-            if isinstance(src, FromParam) and src.name in declared and "eagle3_knob" in fields[name].metadata:
-                got, want = fields[name].metadata["eagle3_knob"], declared[src.name]
-                assert (got["min"], got["max"], got["gt"]) == (want["min"], want["max"], want["gt"]), (phase, name)
-                checked += 1
-    assert checked >= 1
+def test_each_shared_value_is_declared_in_one_section_only():
+    """capture_layers, tp_size (extract_tp_size), model_path and max_seq_len: one field each, in a shared
+    section; no phase config declares them again."""
+    shared = {"capture_layers": TargetConfig, "tp_size": TargetConfig, "model_path": TargetConfig,
+              "dtype": TargetConfig, "max_seq_len": DataConfig}
+    for name, home in shared.items():
+        assert name in home.__dataclass_fields__
+        for phase, cls in PHASES.items():
+            assert name not in {f.name for f in dataclasses.fields(cls)}, (phase, name)
+    assert form_params()["capture_layers"]["field"] == "TargetConfig.capture_layers"
+    assert form_params()["extract_tp_size"]["field"] == "TargetConfig.tp_size"
+    assert form_params()["max_seq_len"]["field"] == "DataConfig.max_seq_len"
 
 
-def test_max_seq_len_reaches_training(smollm2_path, tmp_path):
-    """The form's max_seq_len was merge's only; training truncated at its own 2048 without a word."""
-    params = form(smollm2_path, tmp_path, max_seq_len=4096)
-    facts = model_facts(str(smollm2_path), None)
-    assert phase_template("train")["max_seq_len"] == phase_template("merge")["max_seq_len"] == "{{ params.max_seq_len }}"
-    train = phase_values("train", params, "run1", facts)
-    merge = phase_values("merge", params, "run1", facts)
-    assert train["max_seq_len"] == merge["max_seq_len"] == 4096
-    assert "max_seq_len" not in {p for p, v in form_params().items() if v["field"].startswith("TrainConfig.")}
+def test_one_max_seq_len_reaches_merge_and_training(smollm2_path, tmp_path):
+    cfg = RunConfig.from_params(form(smollm2_path, tmp_path, max_seq_len=4096), "run1")
+    assert cfg.merge.max_seq_len == cfg.train.max_seq_len == 4096
+    assert cfg.merge.data is cfg.train.data is cfg.data  # the same section, not copies
+    with pytest.raises(ConfigError, match=r"train_overrides cannot set \['max_seq_len'\]"):
+        RunConfig.from_params(form(smollm2_path, tmp_path, train_overrides={"max_seq_len": 99}), "run1")
 
 
-def test_capture_layers_are_resolved_once_and_reach_extraction(smollm2_path, tmp_path):
-    params = form(smollm2_path, tmp_path)
-    facts = check_run(params, "run1")
-    assert facts["capture_layers"] == [2, 15, 27] and facts["num_capture_layers"] == 3
-    assert phase_values("extract", params, "run1", facts)["capture_layers"] == [2, 15, 27]
-    assert phase_template("extract")["capture_layers"] == "{{ ti.xcom_pull(task_ids='preflight')['capture_layers'] }}"
+def test_capture_layers_are_resolved_once_and_every_phase_reads_them(smollm2_path, tmp_path):
+    cfg, _ = check_run(form(smollm2_path, tmp_path, extract_tp_size=3), "run1")
+    assert cfg.target.capture_layers == [2, 15, 27] and cfg.target.hidden_size == 576
+    assert cfg.target.architecture == "LlamaForCausalLM" and cfg.target.vocab_size == 49152
+    for phase in ("datagen", "merge", "extract", "train", "evaluate"):
+        assert getattr(cfg, phase).target is cfg.target, phase
+    assert cfg.evaluate.target.tp_size == cfg.extract.target.tp_size == 3
     for bad, why in (([15, 2, 27], r"ascending, got \[15, 2, 27\]"), ([0, 15, 27], "capture_layers must be >= 1"),
-                     ([2, 15, 30], "out of range")):
+                     ([2, 15, 30], "out of range"), ([], "capture_layers")):
         with pytest.raises(ConfigError, match=why):
             check_run(form(smollm2_path, tmp_path, capture_layers=bad), "run1")
-    with pytest.raises(ConfigError, match="capture_layers"):
-        check_run(form(smollm2_path, tmp_path, capture_layers=[]), "run1")
+
+
+def test_the_resolved_configuration_round_trips_as_json_and_each_phase_builds_from_its_part(smollm2_path, tmp_path):
+    cfg, _ = check_run(form(smollm2_path, tmp_path, token_budget=1024), "run1")
+    wire = json.loads(json.dumps(cfg.to_dict()))  # an XCom
+    assert RunConfig.from_dict(wire) == cfg
+    ext = build(ExtractConfig, wire["extract"], "extract")  # one task's part is all it needs
+    assert ext == cfg.extract and ext.target.capture_layers == [2, 15, 27] and ext.token_budget == 1024
+    assert ext.extract_dir == str(tmp_path / "r" / "extract")
+    assert cfg.evaluate.export_dir == str(tmp_path / "r" / "train" / "export")
+    assert cfg.merge.inputs == [str(tmp_path / "r" / "datagen")]
+    with pytest.raises(ConfigError, match=r"unknown section\(s\) \['extrct'\]"):
+        RunConfig.from_dict({**wire, "extrct": {}})
 
 
 def test_check_run_lists_every_problem_at_once(smollm2_path, tmp_path):
@@ -84,25 +93,43 @@ def test_check_run_lists_every_problem_at_once(smollm2_path, tmp_path):
         check_run(params, "run1")
     msg = str(e.value)
     assert "token_budget" in msg and "lerning_rate" in msg and "max_token" in msg
-    with pytest.raises(ConfigError, match="cannot set.*max_seq_len"):
-        check_run(form(smollm2_path, tmp_path, train_overrides={"max_seq_len": 99}), "run1")
     with pytest.raises(ConfigError, match=r"unknown trigger param\(s\) \['num_shard'\]"):
         with_form_defaults({"num_shard": 2})
 
 
-def test_phase_templates_and_values_name_the_same_fields():
-    for phase, cls in PHASE_CLASSES.items():
-        names = set(phase_template(phase))
-        fields = {f.name for f in dataclasses.fields(cls)}
-        assert names <= fields, (phase, names - fields)
+def test_preflight_refuses_a_target_the_chosen_serving_engine_cannot_serve(smollm2_path, tmp_path):
+    """SGLang's DeepSeek model cannot capture layer 1: preflight says so before the run, not training after it."""
+    model = tmp_path / "ds"
+    model.mkdir()
+    config = json.loads((smollm2_path / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "architectures": ["DeepseekV3ForCausalLM"]}))
+    with pytest.raises(ConfigError, match="SGLang cannot serve a DeepseekV3ForCausalLM target"):
+        check_run({"model_path": str(model), "output_root": str(tmp_path), "capture_layers": [1, 2, 3], **REMOTE},
+                  "run1")
+    cfg = RunConfig.from_params({"model_path": str(model), "output_root": str(tmp_path), "capture_layers": [1, 2, 3],
+                                 **REMOTE}, "run1")
+    cfg = dataclasses.replace(cfg, preflight=dataclasses.replace(cfg.preflight, serving_engines=["vllm"]))
+    resolved, notes = resolve(cfg)  # served by vLLM only: the SGLang problem is a note
+    assert resolved.target.capture_layers == [1, 2, 3] and any("SGLang cannot serve" in n for n in notes)
 
 
-def test_run_folder_rule():
+def test_phase_config_templates_pull_the_resolved_part():
+    assert phase_config("extract") == "{{ ti.xcom_pull(task_ids='preflight')['run_config']['extract'] }}"
+    with pytest.raises(ConfigError, match="unknown phase 'extrct'"):
+        phase_config("extrct")
+    assert set(SHARED) == {"run", "target", "data"}
+
+
+def test_run_folder_rule(tmp_path):
     assert run_dir({"output_root": "/o", "run_name": None}, "manual__2026-12-03T01:00:00+00:00") == \
         "/o/manual__2026-12-03T01-00-00-00-00"
     assert run_dir({"output_root": "/o", "run_name": "exp1"}, "x") == "/o/exp1"
+    cfg = RunConfig.from_params({"output_root": "/o", **REMOTE}, "manual__2026-12-03T01:00:00+00:00")
+    assert cfg.run.dir == "/o/manual__2026-12-03T01-00-00-00-00"
 
 
 def test_unknown_key_in_a_phase_config_names_it():
     with pytest.raises(ConfigError, match=r"merge: unknown param\(s\) \['max_seq_length'\]"):
         build(MergeConfig, {"inputs": ["a"], "output_dir": "o", "max_seq_length": 5}, "merge")
+    with pytest.raises(ConfigError, match=r"merge.data: unknown param\(s\) \['max_seq_length'\]"):
+        build(MergeConfig, {"inputs": ["a"], "output_dir": "o", "data": {"max_seq_length": 5}}, "merge")

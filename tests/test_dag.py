@@ -92,60 +92,44 @@ def test_param_defaults_are_valid_and_bad_values_are_rejected(dag):
             dag.params.get_param(name).resolve(value=bad)
 
 
-def test_extraction_params_reach_the_mapped_operator(dag):
-    """The SDPA kernel and backend params are templated into every mapped extraction task's config."""
-    config = dag.task_dict["extract"].partial_kwargs["config"]
-    assert config["attention"] == "{{ params.extract_attention }}"
-    assert config["backend"] == "{{ params.extract_backend }}"
-    assert config["pad_multiple"] == "{{ params.extract_pad_multiple }}"
-    assert dag.params["extract_attention"] == "auto" and dag.params["extract_pad_multiple"] == "auto"
-    for good in ("auto", "64", 64):
-        assert dag.params.get_param("extract_pad_multiple").resolve(value=good) == good
-    # the form's choices come from the torch-free config; they stay those the torch side accepts
+def test_every_task_builds_its_phase_from_preflights_resolved_configuration(dag, smollm2_path, tmp_path):
+    """Render each task's config as Airflow does (native objects, preflight's XCom) and build the phase config
+    from it: the very sections preflight resolved, with no string round trip."""
+    from eagle3.config import PHASES, check_run
+    from eagle3.knobs import build
+
+    cfg, _ = check_run({"model_path": str(smollm2_path), "output_root": str(tmp_path), "run_name": "r",
+                        "max_seq_len": 3000, "token_budget": 1024, "extract_attention": "math",
+                        "extract_pad_multiple": "16"}, "manual__x")
+    xcom = {"run_config": cfg.to_dict()}
+
+    class TI:
+        def xcom_pull(self, task_ids):
+            assert task_ids == "preflight"
+            return xcom
+
+    env = dag.get_template_env()
+    context = {"params": dag.params, "run_id": "manual__x", "ti": TI()}
+    tasks = {"datagen": "datagen", "merge": "merge", "plan": "plan_shards", "extract": "extract", "train": "train",
+             "evaluate": "evaluate"}
+    for phase, task_id in tasks.items():
+        task = dag.task_dict[task_id]
+        template = task.partial_kwargs["config"] if hasattr(task, "partial_kwargs") else task.config
+        values = task.render_template(template, context, env)
+        assert isinstance(values, dict), phase  # native: no literal_eval of a string
+        assert build(PHASES[phase], values, phase) == getattr(cfg, phase), phase
+    assert cfg.train.max_seq_len == cfg.merge.max_seq_len == 3000
+    assert cfg.extract.target.capture_layers == [2, 15, 27] and cfg.extract.token_budget == 1024
+    assert (cfg.extract.attention, cfg.extract.pad_multiple) == ("math", 16)
+    # the form's "auto" server, as preflight resolved it (no GPU here: llama.cpp on the packaged GGUF)
+    assert "llama_cpp_server" in cfg.datagen.server_command and cfg.datagen.gguf.endswith(".gguf")
+    assert cfg.datagen.served_model_name == "target"
+    # the SDPA kernel and backend choices come from the torch-free config; they stay those the torch side accepts
     from eagle3.extract.backend import SDPA_KERNELS
     from eagle3.extract.extractor import BACKENDS
 
     assert dag.params.get_param("extract_attention").schema["enum"] == list(SDPA_KERNELS)
     assert dag.params.get_param("extract_backend").schema["enum"] == list(BACKENDS)
-
-
-def test_rendered_configs_build_and_follow_the_form(dag, smollm2_path, tmp_path):
-    """Render each task's config as Airflow does (native objects, the run_dir macro, preflight's XCom) and build
-    the phase config from it: max_seq_len reaches training, the capture layers reach extraction."""
-    from eagle3.config import PHASE_CLASSES, datagen_server_facts, model_facts, with_form_defaults
-    from eagle3.knobs import build
-
-    params = with_form_defaults({"model_path": str(smollm2_path), "output_root": str(tmp_path), "run_name": "r",
-                                 "max_seq_len": 3000, "token_budget": 1024})
-    problems: list[str] = []
-    facts = model_facts(str(smollm2_path), "auto") | datagen_server_facts(params, str(smollm2_path), problems)
-    assert not problems
-
-    class TI:
-        def xcom_pull(self, task_ids):
-            assert task_ids == "preflight"
-            return facts
-
-    env = dag.get_template_env()
-    context = {"params": params, "run_id": "manual__x", "ti": TI()}
-    tasks = {"preflight": "preflight", "datagen": "datagen", "merge": "merge", "plan": "plan_shards",
-             "extract": "extract", "train": "train", "evaluate": "evaluate"}
-    built = {}
-    for phase, task_id in tasks.items():
-        task = dag.task_dict[task_id]
-        template = task.partial_kwargs["config"] if hasattr(task, "partial_kwargs") else task.config
-        values = task.render_template(template, context, env)
-        if phase == "train":
-            values["shard_dirs"] = [str(tmp_path / "r/extract/shard-00000")]
-        built[phase] = build(PHASE_CLASSES[phase], values, phase)
-    assert built["train"].max_seq_len == built["merge"].max_seq_len == 3000
-    assert built["extract"].capture_layers == [2, 15, 27] and built["extract"].token_budget == 1024
-    assert built["merge"].num_capture_layers == 3 and built["merge"].hidden_size == 576
-    assert built["extract"].extract_dir == str(tmp_path / "r" / "extract")
-    assert built["evaluate"].export_dir == str(tmp_path / "r" / "train" / "export")
-    # the form's "auto" server, as preflight resolved it (no GPU here: llama.cpp on the packaged GGUF)
-    assert built["datagen"].server_command == facts["server_command"] and "llama_cpp_server" in facts["server_command"]
-    assert built["datagen"].gguf.endswith(".gguf") and built["datagen"].served_model_name == "target"
 
 
 def test_a_config_error_fails_the_task_without_retries(tmp_path):
@@ -156,16 +140,16 @@ def test_a_config_error_fails_the_task_without_retries(tmp_path):
     from eagle3_airflow.operators.train import TrainDrafterOperator
 
     op = MergeOperator(task_id="merge", config={"inputs": [str(tmp_path)], "output_dir": str(tmp_path / "m"),
-                                                "max_seq_len": 0})
+                                                "data": {"max_seq_len": 0}})
     with pytest.raises(AirflowFailException, match="max_seq_len"):
         op.execute({})
-    op = TrainDrafterOperator(task_id="train", config={"model_path": "m", "output_dir": str(tmp_path / "t")},
-                              shard_dirs=[str(tmp_path)], overrides={"lerning_rate": 1e-3})
+    train = {"target": {"model_path": "m"}, "output_dir": str(tmp_path / "t")}
+    op = TrainDrafterOperator(task_id="train", config={**train, "lerning_rate": 1e-3}, shard_dirs=[str(tmp_path)])
     with pytest.raises(AirflowFailException, match="lerning_rate"):
         op.execute({})
     # more training ranks than the gpu-pool slots the task holds: refused before any work, naming both
-    op = TrainDrafterOperator(task_id="train", config={"model_path": "m", "output_dir": str(tmp_path / "t")},
-                              shard_dirs=[str(tmp_path)], overrides={"num_gpus": 2}, pool="gpu", pool_slots=1)
+    op = TrainDrafterOperator(task_id="train", config={**train, "num_gpus": 2}, shard_dirs=[str(tmp_path)],
+                              pool="gpu", pool_slots=1)
     with pytest.raises(AirflowFailException, match=r"train_num_gpus=2.*holds 1 slot.*EAGLE3_TRAIN_GPU_SLOTS"):
         op.execute({})
 

@@ -45,7 +45,8 @@ def test_mapped_results_are_read_in_one_request_without_a_probe_past_the_end():
     seq = CountingSequence([{"shard_dir": "a"}, {"shard_dir": "b"}])
     assert rendered(seq) == [{"shard_dir": "a"}, {"shard_dir": "b"}]
     assert seq.requests == [slice(None, None, None)]  # iterating would ask for index 2 (404, an ERROR line)
-    assert rendered("[2, 15, 27]") == [2, 15, 27] and rendered([1]) == [1] and rendered("x") == "x"
+    # the DAG renders natively: a string stays a string (no literal_eval round trip)
+    assert rendered("[2, 15, 27]") == "[2, 15, 27]" and rendered([1]) == [1] and rendered({"a": 1}) == {"a": 1}
 
 
 def test_mlflow_hook_reads_the_tracking_uri_and_tests_it(monkeypatch, tmp_path):

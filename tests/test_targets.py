@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.support.configs import phase
 from tiny_targets import CAPTURE, HIDDEN, TARGETS, build_tiny_target
 
 PROMPTS = 8
@@ -36,7 +37,7 @@ def extract(target: Path, model, tokenizer, work: Path) -> tuple[Path, list[dict
     spec = plan_shards(ShardPlanConfig(str(work / "merge"), 1))[0]
     # fp32, 4 x 64 values a token: chunk_mb 0.1 gives chunks of ~100 tokens, several per shard
     cfg = phase(ExtractConfig, model_path=str(target), extract_dir=str(work / "extract"), capture_layers=CAPTURE,
-                        device="cpu", dtype="float32", token_budget=256, chunk_mb=0.1, writer_threads=1)
+                device="cpu", dtype="float32", token_budget=256, chunk_mb=0.1, writer_threads=1)
     summary = extract_shard(cfg, spec)
     assert summary["complete"] and summary["tokens"] == sum(len(s["input_ids"]) for s in samples)
     return Path(summary["shard_dir"]), samples
@@ -51,10 +52,9 @@ def test_target_extracts_trains_exports_and_decodes_losslessly(model_type, targe
     from tests.support.reference import reference_states
     from eagle3.models import load_model, model_info
     from eagle3.evaluate.config import EvalConfig
-from eagle3.train.config import TrainConfig
+    from eagle3.train.config import TrainConfig
     from eagle3.evaluate.run import evaluate_phase
-from eagle3.train.run import train_phase
-from tests.support.configs import phase
+    from eagle3.train.run import train_phase
     from tests.support.selfdistill import make_prompts
     from eagle3.train.serving import sglang_layer_ids
 

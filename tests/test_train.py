@@ -325,8 +325,8 @@ def test_bad_inputs_fail_clearly(tmp_path, smollm2_path):
     for bad_k in (0, 33, "7", True):
         with pytest.raises(ConfigError, match="ttt_steps"):
             small_config([empty], tmp_path / "o3", model_path=smollm2_path, ttt_steps=bad_k)
-    with pytest.raises(ConfigError, match="shard_dirs"):
-        small_config([], tmp_path / "o4", model_path=smollm2_path)
+    with pytest.raises(ConfigError, match="shard_dirs is empty"):  # the run sets them once extraction ran
+        train(small_config([], tmp_path / "o4", model_path=smollm2_path))
     with pytest.raises(PipelineError, match="manifest is missing"):
         train(small_config([tmp_path / "nowhere"], tmp_path / "o5", model_path=smollm2_path))
 def test_tau_over_first_tokens_and_by_answer_end():

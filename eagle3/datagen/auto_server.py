@@ -14,7 +14,7 @@ A value the user gave is kept as it is. The choice and its reason go to prefligh
 from __future__ import annotations
 
 import importlib.util
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 from eagle3.errors import ConfigError, PipelineError
@@ -31,10 +31,6 @@ class ServerChoice:
     served_model_name: str
     engine: str  # "sglang", "llama.cpp", "yours" (a command the user gave) or "remote"
     why: str
-
-    def facts(self) -> dict:
-        """The values datagen's config takes from preflight (eagle3.config PHASE_SOURCES), plus the reason."""
-        return {"datagen_server": asdict(self)}
 
     def summary(self) -> str:
         if self.engine == "remote":

@@ -23,7 +23,7 @@ from eagle3_airflow.operators.datagen import DatagenOperator
 cfg = json.loads(os.environ.get("DG_TEST_CONFIG", '{"out": "/tmp", "tokenizer": "/tmp", "datasets": []}'))
 with DAG("datagen_mapped_test", schedule=None):
     DatagenOperator.partial(task_id="datagen", config={
-        "output_dir": cfg["out"], "tokenizer_path": cfg["tokenizer"], "mode": "remote", "conn_id": "eagle3_dg_dag",
+        "output_dir": cfg["out"], "target": {"model_path": cfg["tokenizer"]}, "mode": "remote", "conn_id": "eagle3_dg_dag",
         "served_model_name": "smollm2", "client": {"concurrency": 2, "log_every_s": 1}}).expand(dataset=cfg["datasets"])
 """
 

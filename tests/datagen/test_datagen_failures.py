@@ -31,7 +31,7 @@ def test_bad_prompt_file_fails_before_the_local_server_starts(smollm2_path, tmp_
     marker = tmp_path / "server-started"
     f = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "Say hi."}, '{"prompt": "cut'])
     op = DatagenOperator(task_id="datagen", dataset={"name": "BAD", "prompt_file": str(f)},
-                         config={"output_dir": str(tmp_path / "out"), "tokenizer_path": str(smollm2_path),
+                         config={"output_dir": str(tmp_path / "out"), "target": {"model_path": str(smollm2_path)},
                                  "mode": "local", "server_command": f"touch {marker}", "server_ready_timeout_s": 5})
     with pytest.raises(AirflowFailException, match=rf"bad prompt line {f}:2: invalid JSON"):
         op.execute({})

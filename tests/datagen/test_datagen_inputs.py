@@ -186,7 +186,7 @@ def test_datagen_config_checks_and_form_params():
     from eagle3.datagen.spec import DatagenConfig
     from eagle3.knobs import build, form_params
 
-    base = {"output_dir": "/o", "tokenizer_path": "/m"}
+    base = {"output_dir": "/o", "target": {"model_path": "/m"}}
     cfg = build(DatagenConfig, base, "datagen")
     assert cfg.mode == "local" and cfg.client_config().concurrency == 256 and cfg.client_config().model == "auto"
     assert (cfg.server_command, cfg.gguf, cfg.served_model_name) == ("auto",) * 3  # resolved by preflight

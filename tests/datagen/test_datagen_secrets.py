@@ -77,7 +77,7 @@ def test_hook_and_operator_keep_the_key_off_disk(smollm2_path, tmp_path, monkeyp
         ok, message = OpenAICompatibleHook("eagle3_echo_bad").test_connection()
         assert not ok and message.startswith("HTTP 401") and "sk-wrong-key" not in message
         op = DatagenOperator(task_id="datagen", dataset={"name": "H", "prompt_file": str(f), "max_tokens": 4},
-                             config={"output_dir": str(out), "tokenizer_path": str(smollm2_path), "mode": "remote",
+                             config={"output_dir": str(out), "target": {"model_path": str(smollm2_path)}, "mode": "remote",
                                      "served_model_name": "echo-model", "conn_id": "eagle3_echo", "client": {"concurrency": 1, "max_retries": 0}})
         # the endpoint refuses the chat request: a 401 that echoes the key, so the failure budget blows
         with pytest.raises(FailureBudgetExceeded) as err:

@@ -230,7 +230,7 @@ def test_operator_remote_mode_key_from_connection(llama_server, smollm2_path, tm
         monkeypatch.setenv("AIRFLOW_CONN_EAGLE3_DG_TEST",
                            json.dumps({"conn_type": "openai", "host": px.base_url, "password": key}))
         op = DatagenOperator(task_id="datagen", dataset={"name": "OP", "prompt_file": str(f), "max_tokens": 8},
-                             config={"output_dir": str(tmp_path / "out"), "tokenizer_path": str(smollm2_path),
+                             config={"output_dir": str(tmp_path / "out"), "target": {"model_path": str(smollm2_path)},
                                      "mode": "remote", "conn_id": "eagle3_dg_test", "served_model_name": "smollm2",
                                      "client": {"concurrency": 2, "log_every_s": 1}})
         caplog.set_level("DEBUG")
@@ -247,7 +247,7 @@ def test_operator_remote_mode_key_from_connection(llama_server, smollm2_path, tm
     from airflow.sdk import DAG
 
     with DAG("dg_map_test", schedule=None):
-        mapped = DatagenOperator.partial(task_id="datagen", config={"output_dir": "/o", "tokenizer_path": "/m"}).expand(
+        mapped = DatagenOperator.partial(task_id="datagen", config={"output_dir": "/o", "target": {"model_path": "/m"}}).expand(
             dataset=[{"name": "A1", "prompt_file": "a"}, {"name": "B1", "prompt_file": "b"}])
     assert mapped.expand_input.value["dataset"][1]["name"] == "B1"
 
@@ -257,7 +257,7 @@ def test_operator_local_mode_starts_and_stops_the_server(smollm2_path, smollm2_g
 
     f = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "Say hi."}, {"prompt": "Say yes."}])
     op = DatagenOperator(task_id="datagen", dataset={"name": "L", "prompt_file": str(f), "max_tokens": 8},
-                         config={"output_dir": str(tmp_path), "tokenizer_path": str(smollm2_path), "mode": "local",
+                         config={"output_dir": str(tmp_path), "target": {"model_path": str(smollm2_path)}, "mode": "local",
                                  "served_model_name": "smollm2", "server_command": llama_server_command(),
                                  "gguf": str(smollm2_gguf), "server_ready_timeout_s": 60})
     caplog.set_level("INFO")
