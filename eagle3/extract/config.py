@@ -49,7 +49,7 @@ class ExtractConfig:
     verify_existing: bool = knob(False, help="Re-hash committed chunks on a resume or a finished re-run.")
     log_every_s: float = knob(10.0, gt=0, help="Seconds between progress lines (one is logged at every commit too).")
     memory_headroom: float = knob(0.9, gt=0, max=1,
-                                  help="The budget's estimated memory must fit this fraction of the free memory.")
+                                  help="The largest planned batch's estimated memory must fit this fraction of the free memory.")
     # auto = on a GPU (1.3-1.5x on the H200, docs/benchmarks.md; the first batch pays 13-25 s of compilation)
     compile: bool | str = knob("auto", help="torch.compile each decoder layer: true, false or auto (on on a GPU).")
     backend: str = knob("hf", choices=BACKEND_CHOICES, param="extract_backend", section=SECTION,
