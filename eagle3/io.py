@@ -58,6 +58,18 @@ def is_disk_full(e: BaseException) -> bool:
 
 
 @contextmanager
+def names_disk_full(path: str | os.PathLike) -> Iterator[None]:
+    """A full disk inside the block (os, open, pyarrow: all raise OSError with errno 28/122) raises
+    DiskFullError naming `path`; other errors pass unchanged."""
+    try:
+        yield
+    except OSError as e:
+        if is_disk_full(e):
+            raise disk_full_error(path, e) from e
+        raise
+
+
+@contextmanager
 def atomic_path(path: str | os.PathLike, fsync: bool = True) -> Iterator[Path]:
     """Yield a temp path to write; on success it is fsynced and renamed to `path`.
 
@@ -68,17 +80,14 @@ def atomic_path(path: str | os.PathLike, fsync: bool = True) -> Iterator[Path]:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = temp_path_for(path)
     try:
-        yield tmp
-        if fsync:
-            with open(tmp, "rb+") as f:
-                os.fsync(f.fileno())
-        os.replace(tmp, path)
-        if fsync:
-            _fsync_dir(path.parent)
-    except OSError as e:
-        if is_disk_full(e):
-            raise disk_full_error(path, e) from e
-        raise
+        with names_disk_full(path):
+            yield tmp
+            if fsync:
+                with open(tmp, "rb+") as f:
+                    os.fsync(f.fileno())
+            os.replace(tmp, path)
+            if fsync:
+                _fsync_dir(path.parent)
     finally:
         if tmp.exists():
             tmp.unlink()

@@ -123,3 +123,33 @@ def test_long_lines_and_a_missing_final_newline(tmp_path):
     assert s["rows"] == 3 and s["bad_input"] == 0
     rows = {r["sample_id"]: r for r in read_all(tmp_path / "out")}
     assert rows["L-0"]["input_ids"] == long_ids and rows["L-2"]["input_ids"] == [3, 4]
+
+
+@pytest.mark.parametrize("where", ["spill", "parts"])
+def test_a_full_disk_names_the_file_and_keeps_the_last_good_output(tmp_path, monkeypatch, where):
+    """The shuffle spill (pass 1) and the Parquet writer (pass 2) on a full disk (writes go to /dev/full, which
+    answers ENOSPC): DiskFullError names the file being written; the last good output is untouched."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from eagle3.io import DiskFullError
+    from tests.merge_helpers import random_datasets
+
+    random_datasets(tmp_path / "in", n=20)
+    out = tmp_path / "out"
+    cfg = dict(inputs=[str(tmp_path / "in")], output_dir=str(out), vocab_size=VOCAB)
+    run_merge(phase(MergeConfig, **cfg))
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    if where == "spill":
+        real = pa.OSFile
+        monkeypatch.setattr(pa, "OSFile", lambda path, mode="r": real("/dev/full", mode) if "w" in mode
+                            else real(path, mode))
+        named = r"\.merge-tmp-[^ ]*/buckets/bucket-\d{5}\.arrow"
+    else:
+        real = pq.ParquetWriter
+        monkeypatch.setattr(pq, "ParquetWriter", lambda path, *a, **kw: real("/dev/full", *a, **kw))
+        named = r"\.merge-tmp-[^ ]*/part-00000\.parquet"
+    with pytest.raises(DiskFullError, match=rf"^merge: disk full writing {out}/{named}: .*No space left"):
+        run_merge(phase(MergeConfig, **cfg, seed=7))
+    monkeypatch.undo()
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pyarrow.compute as pc
 
-from eagle3.io import MANIFEST_NAME, PhaseOutput, atomic_write_json, fingerprint, read_json, sha256_file
+from eagle3.io import MANIFEST_NAME, DiskFullError, PhaseOutput, atomic_write_json, fingerprint, read_json, sha256_file
 from eagle3.merge.config import MergeConfig
 from eagle3.merge.dataset import STATS_NAME, manifest_record
 from eagle3.merge.inputs import DatasetInput, discover_datasets
@@ -93,6 +93,8 @@ def run_merge(cfg: MergeConfig) -> dict:
     parts_tmp.mkdir(parents=True, exist_ok=True)
     try:
         return _merge(cfg, datasets, out, tmp, parts_tmp)
+    except DiskFullError as e:
+        raise DiskFullError(f"merge: {e}") from e
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
         shutil.rmtree(parts_tmp, ignore_errors=True)
