@@ -112,6 +112,36 @@ def read_json(path: str | os.PathLike) -> Any:
         raise ValueError(f"{path}:{e.lineno}: invalid JSON: {e.msg}") from e
 
 
+def not_a_file(path: Path) -> str:
+    """Why an input file that must be a regular file is not one, for a message: "<path> " + this."""
+    if path.is_dir():
+        return "is a directory, not a file"
+    if path.exists():
+        return "is not a regular file"
+    return "does not exist"
+
+
+class BadJSONLine(ValueError):
+    """A JSONL line that is not JSON: malformed, not UTF-8, or nested deeper than the parser follows."""
+
+
+def json_line(raw: bytes | str):
+    """The value of one JSONL line, or BadJSONLine saying why not (the caller adds file:line).
+
+    Bytes must be UTF-8 (a BOM is allowed). Thousands of nested brackets make Python's parser raise
+    RecursionError, which is no bad-line error of its own: it is one here like any other malformed line.
+    """
+    try:
+        text = raw.decode("utf-8-sig") if isinstance(raw, (bytes, bytearray)) else raw
+        return json.loads(text)
+    except UnicodeDecodeError as e:
+        raise BadJSONLine(f"not UTF-8 text: byte {e.start} of the line ({e.reason})") from None
+    except json.JSONDecodeError as e:
+        raise BadJSONLine(f"invalid JSON: {e}") from None
+    except RecursionError:
+        raise BadJSONLine("invalid JSON: nested deeper than the parser follows (thousands of brackets)") from None
+
+
 def sha256_file(path: str | os.PathLike, bufsize: int = 1 << 20) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:

@@ -153,3 +153,26 @@ def test_a_full_disk_names_the_file_and_keeps_the_last_good_output(tmp_path, mon
         run_merge(phase(MergeConfig, **cfg, seed=7))
     monkeypatch.undo()
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+
+def test_nested_and_non_utf8_lines_are_counted_as_malformed_with_file_and_line(tmp_path):
+    """Thousands of nested brackets (RecursionError in Python's parser) and bytes that are not UTF-8 (which
+    pyarrow's reader would take into a string as they are) are bad lines like any other."""
+    folder = write_dataset(tmp_path / "in", "A", [])
+    path = folder / "tokenized.jsonl"
+    lines = [json.dumps(sample("A", 0, [1, 2, 3])).encode(),
+             b'{"sample_id": "A-\xff", "dataset": "A", "input_ids": [1, 2], "loss_mask": [0, 1]}',
+             json.dumps(sample("A", 2, [4, 5])).encode()]
+    path.write_bytes(b"\n".join(lines) + b"\n")
+    out = run_merge(phase(MergeConfig, inputs=[str(tmp_path / "in")], output_dir=str(tmp_path / "o1"),
+                          vocab_size=VOCAB, max_bad_fraction=1.0))
+    assert out["rows"] == 2 and out["bad_input"] == 1
+    bad = json.loads((tmp_path / "o1" / "stats.json").read_text())["bad_input"]["by_reason"]["malformed_json"]
+    assert bad["examples"] == [f"{path}:2: not UTF-8 text: byte 17 of the line (invalid start byte)"]
+    lines[1] = b'{"sample_id": "A-1", "dataset": "A", "input_ids": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    path.write_bytes(b"\n".join(lines) + b"\n")
+    out = run_merge(phase(MergeConfig, inputs=[str(tmp_path / "in")], output_dir=str(tmp_path / "o2"),
+                          vocab_size=VOCAB, max_bad_fraction=1.0))
+    assert out["rows"] == 2 and out["bad_input"] == 1
+    bad = json.loads((tmp_path / "o2" / "stats.json").read_text())["bad_input"]["by_reason"]["malformed_json"]
+    assert bad["examples"][0].startswith(f"{path}:2: invalid JSON: nested deeper")
