@@ -12,12 +12,13 @@ import hashlib
 import json
 import os
 import shutil
+import stat
 import uuid
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from eagle3.errors import PipelineError
+from eagle3.errors import ConfigError, PipelineError
 
 MANIFEST_NAME = "manifest.json"
 
@@ -69,14 +70,40 @@ def names_disk_full(path: str | os.PathLike) -> Iterator[None]:
         raise
 
 
+def _kind(mode: int) -> str:
+    for test, name in ((stat.S_ISDIR, "directory"), (stat.S_ISCHR, "character device"),
+                       (stat.S_ISBLK, "block device"), (stat.S_ISFIFO, "FIFO"), (stat.S_ISSOCK, "socket")):
+        if test(mode):
+            return name
+    return "special file"
+
+
+def output_file(path: str | os.PathLike) -> Path:
+    """Where an output named `path` is written: a symlink's target (the link stays a link, as with `>`), else
+    `path`. Something there that is not a regular file (a directory, a device such as /dev/full, a FIFO, a
+    socket) is refused: the rename that makes a write atomic would replace it with a regular file."""
+    path = Path(path)
+    if path.is_symlink():
+        path = Path(os.path.realpath(path))
+    try:
+        mode = path.stat().st_mode
+    except FileNotFoundError:
+        return path
+    if not stat.S_ISREG(mode):
+        raise ConfigError(f"output {path} is a {_kind(mode)}, not a regular file: refusing to replace it; give the "
+                          f"path of a file (a new one, or one to overwrite)")
+    return path
+
+
 @contextmanager
 def atomic_path(path: str | os.PathLike, fsync: bool = True) -> Iterator[Path]:
-    """Yield a temp path to write; on success it is fsynced and renamed to `path`.
+    """Yield a temp path to write; on success it is fsynced and renamed to `path` (to a symlink's target; what
+    is not a regular file is refused: output_file).
 
     On an exception the temp file is removed and `path` is left as it was; a full disk raises DiskFullError
     naming `path`.
     """
-    path = Path(path)
+    path = output_file(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = temp_path_for(path)
     try:
