@@ -41,7 +41,11 @@ def temp_path_for(path: Path) -> Path:
 
 
 class DiskFullError(PipelineError):
-    """No space left (or quota exceeded) while writing a file; the message names the file and the free space."""
+    """No space left (or quota exceeded) while writing a file; the message names the file and the free space.
+    Not retried: space must be freed first (then clear the task: it resumes)."""
+
+    retried = False
+    kind = "a full disk"
 
 
 def disk_full_error(path: str | os.PathLike, e: OSError) -> DiskFullError:

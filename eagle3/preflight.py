@@ -57,6 +57,9 @@ class PreflightConfig:
 
 
 class PreflightError(PipelineError):
+    retried = False
+    kind = "a pre-check refusal"
+
     def __init__(self, failures: list[str], report: dict):
         self.failures = failures
         self.report = report

@@ -106,8 +106,9 @@ def test_above_threshold_fails_clearly_and_keeps_the_last_good_output(tmp_path):
 def test_nothing_but_empty_datasets_fails(tmp_path):
     write_dataset(tmp_path / "in", "E1", [])
     write_dataset(tmp_path / "in", "E2", [])
-    with pytest.raises(BadInputError, match="2 empty dataset"):
+    with pytest.raises(BadInputError, match="every input item is bad .*2 empty dataset") as e:
         run_merge(phase(MergeConfig, inputs=[str(tmp_path / "in")], output_dir=str(tmp_path / "out"), max_bad_fraction=1.0))
+    assert "above max_bad_fraction" not in str(e.value)  # 100% is not above 100%
     assert not (tmp_path / "out" / "manifest.json").exists()
 
 

@@ -33,6 +33,7 @@ for _name in ("httpx", "httpx2", "openai"):
     logging.getLogger(_name).setLevel(logging.WARNING)
 
 RETRYABLE_STATUS = {408, 409, 429}
+AUTH_STATUS = {401, 403}
 SDK_PARAMS = {"model", "messages", "max_tokens", "temperature", "top_p", "seed"}
 MAX_RETRY_AFTER_S = 120.0
 TOO_LONG = "too_long"
@@ -109,6 +110,16 @@ class RunStats:
                 f"{self.requests / el:.1f} req/s "
                 f"{(self.prompt_tokens + self.completion_tokens) / el:.0f} tok/s "
                 f"(out {self.completion_tokens / el:.0f}) ${cost:.4f} elapsed {el:.0f}s ETA {_fmt_eta(eta)}")
+
+
+def reason_retried(reason: str) -> bool:
+    """Whether a later try may not meet this failure reason again: timeouts, connection errors, bad answers,
+    HTTP 408/409/429 and 5xx may pass; any other status (401/403: the key; 400, 404...) will not."""
+    return not reason.isdigit() or int(reason) in RETRYABLE_STATUS or int(reason) >= 500
+
+
+def reason_label(reason: str) -> str:
+    return f"HTTP {reason}" if reason.isdigit() else reason
 
 
 def _fmt_eta(s: float) -> str:
@@ -325,8 +336,8 @@ async def generate_all(client, prompts: list[Prompt], spec: DatasetSpec, cfg: Cl
                 stats.failures[e.reason] += 1
                 on_failed(prompt, e)
                 if stats.failed > budget and not stats.aborted:
-                    stats.aborted = (f"{stats.failed} failed samples exceed the failure budget "
-                                     f"({cfg.max_failed_fraction:.2%} of {size} prompts = {budget})")
+                    stats.aborted = (f"more than the failure budget allows (max_failed_fraction "
+                                     f"{cfg.max_failed_fraction:.2%} of {size} prompts = {budget} samples)")
                 continue
             on_done(rec)
             stats.done += 1

@@ -45,7 +45,11 @@ BACKENDS = {"hf": HFBackend, "fused-llama": FusedLlamaBackend}
 
 
 class ExtractOOMError(PipelineError):
-    """The token budget does not fit the device; the message names the param and a smaller value."""
+    """The token budget does not fit the device; the message names the param and a smaller value. The memory
+    pre-check's refusal is not retried (the same plan meets the same memory); an OOM in the forward is
+    (another process may have held the memory)."""
+
+    kind = "out of memory"
 
 
 def resolve_for_device(cfg: ExtractConfig) -> ExtractConfig:
@@ -328,7 +332,7 @@ class ShardExtractor:
         allowed = free * self.cfg.memory_headroom
         if per_token * batch_tokens > allowed:
             raise ExtractOOMError(oom_message(self.cfg.token_budget, device, per_token, allowed, free,
-                                              batch_tokens, longest))
+                                              batch_tokens, longest), retried=False)
 
     @torch.inference_mode()
     def _extract(self, data: ShardData, chunks: list, m: ShardManifest) -> None:
