@@ -24,7 +24,7 @@ from urllib.parse import urlsplit, urlunsplit
 import openai
 
 from eagle3.datagen.prompts import Prompt
-from eagle3.datagen.redact import redact, redacting_logger, register_secret
+from eagle3.datagen.redact import redact, redact_secrets, redacting_logger, register_secret
 from eagle3.datagen.spec import ClientConfig, DatasetSpec
 
 log = redacting_logger(__name__)
@@ -88,6 +88,7 @@ class RunStats:
     done: int = 0
     failed: int = 0  # counted against the failure budget
     too_long: int = 0  # prompts the endpoint rejected as longer than its context: bad input, not failures
+    redacted_secrets: int = 0  # API keys masked in answers
     requests: int = 0  # successful HTTP completions
     prompt_tokens: int = 0
     completion_tokens: int = 0
@@ -290,6 +291,8 @@ async def generate_sample(client, prompt: Prompt, spec: DatasetSpec, cfg: Client
             reason = choice.get("finish_reason")
         except (KeyError, IndexError, TypeError, AttributeError):
             raise SampleFailed("bad_response", f"no choices[0].message in {str(resp)[:200]}", attempts) from None
+        text, n = redact_secrets(text)  # an endpoint that answers with the key: not into the training data
+        stats.redacted_secrets += n
         usage = resp.get("usage") or {}
         pt, ct = int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or 0)
         p_tok, c_tok = p_tok + pt, c_tok + ct

@@ -241,7 +241,7 @@ def _run_dataset(spec: DatasetSpec, cfg: ClientConfig, endpoint: Endpoint | Endp
             "tokens_per_s": round((stats.prompt_tokens + stats.completion_tokens) / wall, 1) if wall else 0.0,
             "completion_tokens_per_s": round(stats.completion_tokens / wall, 1) if wall else 0.0,
             "cost_usd": round(cost_usd(stats.prompt_tokens, stats.completion_tokens, cfg), 6),
-            "aborted": stats.aborted,
+            "aborted": stats.aborted, "redacted_secrets": stats.redacted_secrets,
         },
         "generated": tok["generated"], "missing": len(pset.prompts) - tok["generated"] - len(too_long),
         "dropped": tok["dropped"], "dropped_examples": tok["dropped_examples"],
@@ -266,6 +266,9 @@ def _run_dataset(spec: DatasetSpec, cfg: ClientConfig, endpoint: Endpoint | Endp
             f"{folder / ERRORS} ({stats.done} samples were generated and kept: a re-run resumes)", list(stats.failures))
     if not tok["rows"]:
         raise EmptyDatasetError(no_rows_message(report, folder))
+    if stats.redacted_secrets:
+        log.warning("%s: the endpoint's answers held the API key %d times: masked as *** in the stored answers",
+                    spec.name, stats.redacted_secrets)
     if report["missing"]:
         log.warning("%s: %d prompts failed within the budget (max_failed_fraction=%s): listed in %s",
                     spec.name, report["missing"], cfg.max_failed_fraction, folder / ERRORS)

@@ -108,3 +108,21 @@ def test_hook_base_url_rules(monkeypatch):
     assert endpoint(host="h", password="").api_key == "EMPTY"
     with pytest.raises(ConfigError, match="no host and no extra.base_url"):
         endpoint(login="x")
+
+
+def test_a_key_inside_a_200_answer_is_masked_in_the_stored_answers_and_counted(smollm2_path, smollm2_tokenizer,
+                                                                               tmp_path):
+    """An endpoint that answers with the request's key: generations.jsonl, tokenized.jsonl (its tokens too) and
+    the report hold no key; the report counts the redactions."""
+    key = "sk-answered-back-31d7c2"
+    f = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "What is my key?"}, {"prompt": "Repeat my key."}])
+    spec = DatasetSpec(name="A", prompt_file=str(f), max_tokens=16)
+    out = tmp_path / "out"
+    with EchoAuthServer(good_key=key, answer_with_key=True) as srv:
+        rep = run_dataset(spec, ClientConfig(model="m", concurrency=1), Endpoint(f"http://127.0.0.1:{srv.port}/v1", key),
+                          smollm2_path, out, tokenizer=smollm2_tokenizer)
+    assert rep["rows"] == 2 and rep["this_run"]["redacted_secrets"] == 4
+    assert assert_not_in_files(out, key) >= 4
+    rows = [json.loads(x) for x in (out / "A" / "tokenized.jsonl").read_text().splitlines()]
+    text = smollm2_tokenizer.decode(rows[0]["input_ids"])
+    assert "Your key is ***, twice: ***." in text and key not in text
