@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import pickle
 import signal
 import socket
 import tempfile
@@ -82,11 +83,14 @@ def resolve(fn_path: str):
     return getattr(importlib.import_module(module), name)
 
 
-def _rank_main(fn_path: str, args: tuple, backend: str, timeout_s: float, parent_pid: int, threads: int):
-    """The body of one rank (in the spawned child)."""
+def _rank_main(fn_path: str, pickled_args: bytes, backend: str, timeout_s: float, parent_pid: int, threads: int):
+    """The body of one rank (in the spawned child). The arguments come pickled and are unpickled here, inside
+    elastic's error recording: unpickled by the spawn bootstrap, a failure (a class that does not import in the
+    child) left no error file and the parent saw only "To enable traceback see ...", not the rank's error."""
     from eagle3.procs import die_with_parent_now
 
     die_with_parent_now(parent_pid)
+    args = pickle.loads(pickled_args)
     import torch
     import torch.distributed as dist
 
@@ -114,8 +118,9 @@ def _failure_text(failure) -> str:
         text = f"{msg.get('message', '')}\n{_last_frames(tb)}".strip()
     elif failure.signal_name() not in ("", "<N/A>", None) and failure.exitcode < 0:
         text = f"killed by {failure.signal_name()} (exit code {failure.exitcode})"
-    else:
-        text = str(failure.message or f"exit code {failure.exitcode}")
+    else:  # no error file: the rank died before its body ran (its traceback went to the task log's stderr)
+        text = (f"exit code {failure.exitcode} before the rank's code ran (no error recorded; its traceback, if any, "
+                f"is in the task log above)")
     return _first_lines(text)
 
 
@@ -166,7 +171,7 @@ def run_distributed(fn_path: str, args: tuple = (), nprocs: int = 2, backend: st
     common = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(nprocs),
               "LOCAL_WORLD_SIZE": str(nprocs), **(env or {})}
     envs = {r: {**common, "RANK": str(r), "LOCAL_RANK": str(r)} for r in range(nprocs)}
-    call = (fn_path, tuple(args), backend, float(timeout_s), parent, int(threads_per_rank or 0))
+    call = (fn_path, pickle.dumps(tuple(args)), backend, float(timeout_s), parent, int(threads_per_rank or 0))
     with tempfile.TemporaryDirectory(prefix=f"{name}-ranks-") as logs:
         ctx = start_processes(name=name, entrypoint=_rank_main, args={r: call for r in range(nprocs)}, envs=envs,
                               logs_specs=DefaultLogsSpecs(log_dir=logs), start_method="spawn")

@@ -29,3 +29,19 @@ def victim_rank(pid_dir: str, victim: int, how: str) -> None:
                 time.sleep(3600)
         dist.all_reduce(torch.ones(4))
         time.sleep(0.05)
+
+
+def _refuse_in_a_rank(message: str):
+    raise RuntimeError(message)
+
+
+class FailsToUnpickle:
+    """An argument whose unpickling fails in the spawned rank: the rank dies before its function (and the
+    elastic error recording around it) runs."""
+
+    def __reduce__(self):
+        return _refuse_in_a_rank, ("no device cuda:7 on this host (rank set-up)",)
+
+
+def takes_an_argument(arg) -> None:
+    pass

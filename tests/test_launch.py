@@ -50,6 +50,18 @@ def test_failed_rank_takes_the_run_down(tmp_path, how, expect):
         assert info.value.rank == 0 and took < timeout_s + 60, took
 
 
+def test_a_rank_that_fails_before_its_function_runs_shows_its_own_error():
+    """Unpickling its arguments fails in the spawned rank: no elastic error file, so the error used to be only
+    "To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html"."""
+    from tests.launch_ranks import FailsToUnpickle
+
+    with pytest.raises(RankFailed) as info:
+        run_distributed("tests.launch_ranks:takes_an_argument", (FailsToUnpickle(),), nprocs=2, backend="gloo",
+                        timeout_s=20, grace_s=2)
+    assert "RuntimeError: no device cuda:7 on this host (rank set-up)" in info.value.error, str(info.value)
+    assert "To enable traceback" not in str(info.value)
+
+
 def test_bad_arguments():
     with pytest.raises(ConfigError, match="backend"):
         run_distributed("tests.launch_ranks:all_reduce_rank", (1.0,), nprocs=2, backend="mpi")
