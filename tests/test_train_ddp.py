@@ -76,7 +76,7 @@ def test_two_ranks_follow_the_one_process_loss_curve(shards, one_process, tmp_pa
 
 
 def test_a_killed_rank_fails_the_run_and_it_resumes_at_two_ranks_then_one(shards, one_process, tmp_path,
-                                                                         monkeypatch):
+                                                                         monkeypatch, capfd):
     """Rank 1 dies after step 7 of a DDP run (checkpoint at 6); the run resumed with FSDP2 loses rank 0 after step
     14 (checkpoint at 12); one process finishes. The whole curve and the weights are the uninterrupted run's: the
     checkpoints mean the same at any N, DDP or FSDP2."""
@@ -92,6 +92,10 @@ def test_a_killed_rank_fails_the_run_and_it_resumes_at_two_ranks_then_one(shards
             train(config(shards, out, num_gpus=2, parallel=parallel))
         assert e.value.rank == victim and "SIGKILL" in str(e.value)
         assert sorted(p.name for p in (out / "checkpoints").glob("step-*.pt"))[-1] == f"step-{checkpoint:08d}.pt"
+    # the ranks' INFO lines reach the task's stdout (the task log), each naming its rank
+    ranks_out = capfd.readouterr().out
+    assert "[eagle3-train rank 0] INFO eagle3.train.checkpoint: resumed from" in ranks_out
+    assert "[eagle3-train rank 1] INFO eagle3.train.checkpoint: resumed from" in ranks_out
     monkeypatch.delenv(KILL_RANK_VAR)
     res = train(config(shards, out, num_gpus=1))
     assert_same_run(read_metrics(out / "metrics.jsonl"), ref)

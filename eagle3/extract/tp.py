@@ -91,7 +91,6 @@ def extract_shard_rank(cfg: ExtractConfig, spec: dict) -> dict | None:
     from eagle3.faults import set_rank_pids
 
     rank = dist.get_rank()
-    logging.basicConfig(level=logging.INFO, format=f"[tp rank {rank}] %(levelname)s %(name)s: %(message)s")
     pids = [None] * dist.get_world_size()
     dist.all_gather_object(pids, os.getpid())
     if rank:

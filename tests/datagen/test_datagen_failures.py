@@ -44,7 +44,7 @@ def test_prompt_longer_than_the_context_is_a_bad_line_reported_once(llama_server
     the budget (1% of 4 prompts = 0 allowed), so the run failed, and again on every re-run."""
     f = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "Say hi."}, {"prompt": "Say yes."},
                                            {"prompt": "Repeat: " + "word " * 3000}, {"prompt": "Say no."}])
-    spec = DatasetSpec(name="T", prompt_file=str(f), max_tokens=4)
+    spec = DatasetSpec(name="T", prompt_file=str(f), max_tokens=4, drop_truncated=False)
     folder = tmp_path / "T"
     with FaultProxy(llama_server["port"], lambda i, body: "ok") as px:
         rep = run_dataset(spec, _client(), Endpoint(px.base_url), smollm2_path, tmp_path, tokenizer=smollm2_tokenizer)

@@ -99,7 +99,7 @@ def test_retries_on_429_500_dropped_connection_and_stall(llama_server, smollm2_p
                                                          http_client):
     faults = ["429", "500", "drop", "stall"]
     f = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "Say hi."}, {"prompt": "Say bye."}, {"prompt": "Count to 3."}])
-    spec = DatasetSpec(name="F", prompt_file=str(f), max_tokens=8)
+    spec = DatasetSpec(name="F", prompt_file=str(f), max_tokens=8, drop_truncated=False)
     with FaultProxy(llama_server["port"], lambda i, body: faults[i] if i < len(faults) else "ok", stall_s=20) as px:
         # the timeout must be far above a real answer's latency on a loaded 2-core machine (8 tokens: ~0.5 s)
         rep = run_dataset(spec, _client(concurrency=1, request_timeout_s=6, max_retries=5, http_client=http_client),
@@ -148,7 +148,7 @@ def test_resume_after_sigkill_has_every_prompt_once(llama_server, smollm2_path, 
     n = 8
     f = write_jsonl(tmp_path / "p.jsonl", [{"prompt": f"Write one short sentence about the number {i}."}
                                            for i in range(n)])
-    spec = {"name": "R", "prompt_file": str(f), "max_tokens": 12}
+    spec = {"name": "R", "prompt_file": str(f), "max_tokens": 12, "drop_truncated": False}
     client = {"concurrency": 2, "log_every_s": 1.0}
     gen = tmp_path / "R" / "generations.jsonl"
     proc = subprocess.Popen([sys.executable, "-m", "eagle3.datagen", "--spec", json.dumps(spec), "--out", str(tmp_path),
@@ -258,7 +258,7 @@ def test_operator_local_mode_starts_and_stops_the_server(smollm2_path, smollm2_g
     from eagle3_airflow.operators.datagen import DatagenOperator
 
     f = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "Say hi."}, {"prompt": "Say yes."}])
-    op = DatagenOperator(task_id="datagen", dataset={"name": "L", "prompt_file": str(f), "max_tokens": 8},
+    op = DatagenOperator(task_id="datagen", dataset={"name": "L", "prompt_file": str(f), "max_tokens": 8, "drop_truncated": False},
                          config={"output_dir": str(tmp_path), "target": {"model_path": str(smollm2_path)}, "mode": "local",
                                  "served_model_name": "smollm2", "server_command": llama_server_command(),
                                  "gguf": str(smollm2_gguf), "server_ready_timeout_s": 60})
