@@ -38,6 +38,7 @@ from eagle3.datagen.spec import ClientConfig, DatagenConfig, DatasetSpec
 from eagle3.datagen.store import AppendWriter, iter_records, repair_tail, scan_and_repair
 from eagle3.datagen.tokenize import MaskMismatch, tokenize_conversation
 from eagle3.errors import ConfigError, PipelineError
+from eagle3.identity import tokenizer_identity
 from eagle3.io import (DiskFullError, PhaseOutput, atomic_path, atomic_write_json, fingerprint, read_json,
                        remove_stale_temps, sha256_file)
 
@@ -163,7 +164,7 @@ def tokenize_dataset(folder: Path, prompts: list[Prompt], spec: DatasetSpec, tok
 def run_fingerprint(spec: DatasetSpec, cfg: ClientConfig, tokenizer_path) -> str:
     return fingerprint({"gen": generation_fingerprint(spec, cfg), "prompts_sha256": sha256_file(spec.prompt_file),
                         "limit": spec.limit, "on_bad_line": spec.on_bad_line, "drop_truncated": spec.drop_truncated,
-                        "refusal_patterns": spec.refusal_patterns, "tokenizer": str(tokenizer_path)})
+                        "refusal_patterns": spec.refusal_patterns, "tokenizer": tokenizer_identity(tokenizer_path)})
 
 
 def _tokenized_matches(folder: Path) -> Callable[[dict], bool]:

@@ -24,8 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from eagle3.errors import ConfigError
-from eagle3.io import BadJSONLine, json_line, not_a_file
 from eagle3.evaluate.speculative import Answer, SpecStats, tau_breakdown, tau_of
+from eagle3.io import BadJSONLine, json_line, not_a_file
 
 MTBENCH = "mtbench"  # EvalConfig.prompts_file value: MT-bench's 80 questions from the public-data extra
 

@@ -16,6 +16,7 @@ import re
 from dataclasses import dataclass
 
 from eagle3.errors import ConfigError
+from eagle3.identity import model_identity
 from eagle3.knobs import check_knobs, knob, knob_meta, param_label
 from eagle3.sections import DTYPE_CHOICES, TargetConfig
 
@@ -80,7 +81,8 @@ class ExtractConfig:
     def state_params(self) -> dict:
         """The values that define the stored states (after resolve_for_device: no "auto" left in them)."""
         t = self.target
-        shared = {"model_path": t.model_path, "capture_layers": t.capture_layers, "dtype": t.dtype}
+        # the target by content (eagle3.identity): a model folder copied elsewhere is the same model
+        shared = {"model_path": model_identity(t.model_path), "capture_layers": t.capture_layers, "dtype": t.dtype}
         return {k: shared[k] if k in shared else getattr(self, k) for k in STATE_PARAMS}
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from eagle3.errors import ConfigError
+from eagle3.identity import model_identity, shard_identity
 from eagle3.io import fingerprint
 from eagle3.knobs import check_knobs, knob
 from eagle3.sections import DataConfig, TargetConfig
@@ -90,5 +91,9 @@ class TrainConfig:
         return self.data.max_seq_len
 
     def fingerprint(self) -> str:
-        d = {k: v for k, v in asdict(self).items() if k not in _NOT_IN_FINGERPRINT + ("target", "data")}
-        return fingerprint({**d, "model_path": self.model_path, "max_seq_len": self.max_seq_len})
+        """What defines the trained drafter: the params, the target's and the shards' content; not where they or
+        the output live (a run folder copied elsewhere resumes)."""
+        d = {k: v for k, v in asdict(self).items()
+             if k not in _NOT_IN_FINGERPRINT + ("target", "data", "output_dir", "shard_dirs")}
+        return fingerprint({**d, "model": model_identity(self.model_path), "max_seq_len": self.max_seq_len,
+                            "shards": [shard_identity(s) for s in self.shard_dirs]})
