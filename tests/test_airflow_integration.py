@@ -38,7 +38,6 @@ def when(ts: str) -> float:
 
 def real_conf(root: Path, run_name: str) -> dict:
     """The real DAG at toy sizes: 2 datasets x 6 prompts, 2 shards of > 256 tokens (>= 2 chunks), a few training steps."""
-    from eagle3.datagen.llama_cpp_server import command_template
     from eagle3.models import ensure_smollm2, find_smollm2_gguf
 
     eval_prompts = root / "eval.jsonl"
@@ -49,7 +48,7 @@ def real_conf(root: Path, run_name: str) -> dict:
     return {
         "model_path": str(ensure_smollm2()), "output_root": str(root), "run_name": run_name, "allow_cpu": True,
         "datasets": datasets, "datagen_mode": "local", "gguf": str(find_smollm2_gguf()),
-        "server_command": command_template("smollm2"),
+        "server_command": "llama.cpp",  # a named server: free-form commands are off by default
         "served_model_name": "smollm2", "datagen_client": {"concurrency": 2},
         # 0.3 MiB = 34 fp32 tokens, so each forward batch (<= 256 tokens) is its own chunk: >= 2 chunks a shard
         "num_shards": 2, "chunk_mb": 0.3, "token_budget": 256,
