@@ -8,6 +8,7 @@
     server.py    a local inference server tied to the task's lifetime
     redact.py    secrets (API keys, Authorization values, URL userinfo) out of everything written
     run.py       one dataset end to end -> tokenized.jsonl, report.json, manifest.json
+    contract.py  what the merge reads: tokenized.jsonl and its fields
 """
 
 # Loaded on first use: reading prompt files (eagle3.datagen.prompts) must not need the HTTP client's packages
