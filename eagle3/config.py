@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from eagle3.datagen.auto_server import AUTO, resolve_server
-from eagle3.datagen.spec import DATASET_SCHEMA, DatagenConfig, DatasetSpec
+from eagle3.datagen.config import DATASET_SCHEMA, DatagenConfig, DatasetSpec
 from eagle3.errors import ConfigError
 from eagle3.evaluate.config import EvalConfig
 from eagle3.extract.config import ExtractConfig, ShardPlanConfig

@@ -34,7 +34,7 @@ from eagle3.datagen.client import Endpoint, RunStats, SampleFailed, cost_usd, ge
 from eagle3.datagen.prompts import MAX_REPORTED_BAD_LINES, Prompt, read_prompts
 from eagle3.datagen.redact import redact, redacting_logger, register_secret
 from eagle3.datagen.server import DEFAULT_SERVER_COMMAND, LocalServer
-from eagle3.datagen.spec import ClientConfig, DatagenConfig, DatasetSpec
+from eagle3.datagen.config import ClientConfig, DatagenConfig, DatasetSpec
 from eagle3.datagen.store import AppendWriter, iter_records, repair_tail, scan_and_repair
 from eagle3.datagen.tokenize import MaskMismatch, tokenize_conversation
 from eagle3.errors import ConfigError, PipelineError
