@@ -131,5 +131,5 @@ def test_plugin_loads_in_airflow():
     apps, _ = plugins_manager.get_fastapi_plugins()
     assert any(a["url_prefix"] == "/eagle3" for a in apps)
     views, _ = plugins_manager._get_ui_plugins()
-    assert {v["url_route"] for v in views} >= {"eagle3-shards", "eagle3-runs"}
+    assert {v["url_route"] for v in views} >= {"eagle3-shards", "eagle3-drafter", "eagle3-runs"}
     assert "{RUN_ID}" in p.external_views[0]["href"] and p.external_views[0]["destination"] == "dag_run"
