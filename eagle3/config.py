@@ -178,6 +178,9 @@ def safe_run_name(run_id: str) -> str:
     return run_id.replace(":", "-").replace("+", "-")
 
 
+FORM_OPTIONAL_LISTS = ("exclude",)  # list params the form may send empty as null (schema type ["array", "null"])
+
+
 def _form_values(cls, params: Mapping[str, Any]) -> dict[str, Any]:
     """{field: the form's value} for the knobs of `cls` that are in the trigger form. A form number field may
     arrive as text ("16") where the knob takes a number or "auto": it is read as the number here, once."""
@@ -186,6 +189,8 @@ def _form_values(cls, params: Mapping[str, Any]) -> dict[str, Any]:
         name = f.metadata.get("eagle3_knob", {}).get("param")
         if name:
             value = params[name]
+            if value is None and name in FORM_OPTIONAL_LISTS:
+                value = []  # the form's optional list left empty
             out[f.name] = int(value) if isinstance(value, str) and value.strip().isdigit() and f.type in (
                 "str | int", "int | str") else value
     return out

@@ -103,6 +103,11 @@ def evaluation_table(report: dict) -> dict[str, list[list[str]]]:
     return {"by_k": by_k, "by_category": by_category if cats else []}
 
 
+def lossless_text(identical_to_greedy: bool | None) -> str:
+    return {True: "identical to greedy decoding (lossless)", False: "NOT identical to greedy decoding",
+            None: "not checked"}[identical_to_greedy]
+
+
 def text_table(rows: list[list[str]]) -> str:
     """Rows as aligned text columns (for a task log)."""
     if not rows:

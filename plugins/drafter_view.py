@@ -14,7 +14,7 @@ from fastapi.responses import FileResponse, HTMLResponse
 
 from airflow.api_fastapi.core_api.security import get_user
 
-from eagle3.results import COMPLETE, drafter_results, plot_path
+from eagle3.results import COMPLETE, drafter_results, lossless_text, plot_path
 from eagle3_airflow.plugins.run_info import display_name, run_folder
 from eagle3_airflow.plugins.style import page
 
@@ -102,8 +102,7 @@ def _evaluate(p: dict) -> str:
         if v.get("error"):
             out.append(f"<p class='err'>{e(v['error'])}</p>")
         return "".join(out)
-    lossless = {True: "identical to greedy decoding (lossless)", False: "NOT identical to greedy decoding",
-                None: "not checked"}[v.get("identical_to_greedy")]
+    lossless = lossless_text(v.get("identical_to_greedy"))
     out.append(f"<p>{v.get('answers')} answers to {v.get('conversations')} conversations ({e(str(v.get('prompts')))}), "
                f"at most {v.get('max_new_tokens')} new tokens each, on {e(str(v.get('device')))}; speculative output "
                f"<b id='lossless'>{e(lossless)}</b>. tau: tokens per target forward (accepted draft tokens + 1).</p>")
