@@ -11,10 +11,10 @@ form is generated from them (`form_params`). `RunConfig.from_params` builds ever
 that reads a shared value holds the shared section itself (ExtractConfig.target, TrainConfig.data), and the run
 folder's paths are filled in (PHASE_PATHS). Preflight then resolves it once (`check_run`: capture layers to
 concrete ints and the model's facts, the datagen server's "auto" values, the run name, the serving engines'
-checks) and hands the resolved configuration to every task as its XCom; each task builds its phase's config from
-its part (`RunConfig.from_dict(...).phase(name)`), so no later phase resolves a default again. What depends on the
-device a task runs on (the compute dtype "auto", compile, padding) is resolved where it runs
-(eagle3.extract.extractor.resolve_for_device).
+checks) and hands the resolved configuration to every task as its XCom; each task gets its phase's part
+(`phase_config(name)`, rendered natively) and builds its config from it (eagle3.knobs.build), so no later phase
+resolves a default again. What depends on the device a task runs on (the compute dtype "auto", compile, padding)
+is resolved where it runs (eagle3.extract.extractor.resolve_for_device). docs/configuration.md walks through it.
 
 Follow max_seq_len: DataConfig declares it (form param max_seq_len); merge caps samples at data.max_seq_len and
 training trains on data.max_seq_len tokens: one value, one home. Torch-free and Airflow-free: the DAG file imports
@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from eagle3.datagen.auto_server import AUTO, resolve_server
-from eagle3.datagen.spec import DATASET_SCHEMA, DatagenConfig, DatasetSpec
+from eagle3.datagen.config import DATASET_SCHEMA, DatagenConfig, DatasetSpec
 from eagle3.errors import ConfigError
 from eagle3.evaluate.config import EvalConfig
 from eagle3.extract.config import ExtractConfig, ShardPlanConfig
