@@ -289,12 +289,17 @@ async def _generate(todo: list[Prompt], spec: DatasetSpec, cfg: ClientConfig, en
             await client.close()
 
 
+SERVER_LOG = "server.log"  # the local server's output, beside the dataset's files
+
+
 @contextlib.contextmanager
-def local_server_endpoint(cfg: DatagenConfig, api_key: str) -> Iterator[Endpoint]:
-    """The task's own server for the duration of the generation: started, awaited, always stopped."""
+def local_server_endpoint(cfg: DatagenConfig, api_key: str, log_file: Path | None = None) -> Iterator[Endpoint]:
+    """The task's own server for the duration of the generation: started, awaited, always stopped. Its output
+    goes to `log_file` (the task log names it: a server prints thousands of lines the task log would bury)."""
     server = LocalServer(cfg.server_command or DEFAULT_SERVER_COMMAND, cfg.server_extra_args,
                          model_path=cfg.target.model_path, gguf=cfg.gguf or "", port=cfg.server_port,
-                         ready_timeout_s=cfg.server_ready_timeout_s)
+                         ready_timeout_s=cfg.server_ready_timeout_s,
+                         log_file=None if log_file is None else str(log_file))
     with server:  # stops the server on success, failure and Airflow's SIGTERM on task kill
         yield Endpoint(server.base_url, api_key)
 
@@ -310,5 +315,6 @@ def run_datagen(spec: DatasetSpec, cfg: DatagenConfig, *, base_url: str | None =
             raise ConfigError(f"datagen: mode 'remote' needs the endpoint's base URL (from conn_id {cfg.conn_id!r})")
         source: Endpoint | EndpointSource = Endpoint(base_url, api_key)
     else:
-        source = functools.partial(local_server_endpoint, cfg, api_key)
+        source = functools.partial(local_server_endpoint, cfg, api_key,
+                                   Path(cfg.output_dir) / spec.name / SERVER_LOG)
     return run_dataset(spec, cfg.client_config(), source, cfg.target.model_path, cfg.output_dir, tokenizer)

@@ -17,7 +17,8 @@ class MergeConfig:
     output_dir: str = knob(help="the merged dataset's folder")
     include: list[str] | None = knob(None, param="include", section="Merge",
                                      help="Datasets to keep (empty = all).")
-    exclude: list[str] = knob(default_factory=list, param="exclude", section="Merge", help="Datasets to drop.")
+    exclude: list[str] | None = knob(None, param="exclude", section="Merge",
+                                     help="Datasets to drop (by name); empty = none.")
     data: DataConfig = knob(default_factory=DataConfig, help="The run's data section: max_seq_len, the cap.")
     target: TargetConfig | None = knob(None, help="The run's target, resolved (its vocab bounds the token ids, its "
                                                   "hidden size sizes the extraction estimate); None = no such check.")
