@@ -21,7 +21,7 @@ from eagle3.fit import (check_fits, check_fp8_device, check_tp_divides, load_con
                         weight_estimate)
 from eagle3.io import atomic_write_json
 from eagle3.knobs import check_knobs, knob
-from eagle3.extract.format import bytes_per_token
+from eagle3.fit import bytes_per_token
 from eagle3.models import model_info
 from eagle3.sections import TargetConfig
 from eagle3.train.serving import ENGINES, sglang_layer_ids, vllm_layer_ids
