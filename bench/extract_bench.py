@@ -52,7 +52,7 @@ from bench.extract_limits import (DEFAULT_BUDGET, build_model, disk_probe, empty
                                   model_flops_per_sample, quantize_fp8, states_error, sync)
 from eagle3.extract.config import ExtractConfig, ShardPlanConfig  # noqa: E402
 from eagle3.extract.extractor import BACKENDS, ShardExtractor  # noqa: E402
-from eagle3.extract.format import bytes_per_token  # noqa: E402
+from eagle3.fit import bytes_per_token  # noqa: E402
 from eagle3.extract.plan import plan_shards  # noqa: E402
 from eagle3.sections import TargetConfig  # noqa: E402
 from tests.support.synthetic import write_merged_dataset  # noqa: E402
