@@ -52,7 +52,9 @@ from bench.extract_limits import (DEFAULT_BUDGET, build_model, disk_probe, empty
                                   model_flops_per_sample, quantize_fp8, states_error, sync)
 from eagle3.extract.config import ExtractConfig, ShardPlanConfig  # noqa: E402
 from eagle3.extract.extractor import BACKENDS, ShardExtractor  # noqa: E402
+from eagle3.fit import bytes_per_token  # noqa: E402
 from eagle3.extract.plan import plan_shards  # noqa: E402
+from eagle3.sections import TargetConfig  # noqa: E402
 from tests.support.synthetic import write_merged_dataset  # noqa: E402
 
 SMOKE = dict(models="tiny", device="cpu", dtype="float32", tokens="3000", min_len=64, max_len=400, budget="1024",
@@ -116,9 +118,9 @@ def run_extractor(b: Bench, t: Target, samples, writers: int, model=None, **para
     spec = plan_shards(ShardPlanConfig(str(work / "merge"), 1))[0]
     c = model.config
     mc = {"num_layers": c.num_hidden_layers, "hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size}
-    cfg = ExtractConfig(model_path=t.model_path, extract_dir=str(work / "out"), capture_layers=t.layers,
-                        device=str(b.device), dtype=b.dtype_name, token_budget=t.budget, chunk_mb=t.chunk_mb,
-                        writer_threads=writers, log_every_s=5.0, **params)
+    target = TargetConfig(model_path=t.model_path, capture_layers=t.layers, dtype=b.dtype_name)
+    cfg = ExtractConfig(target=target, extract_dir=str(work / "out"), device=str(b.device), token_budget=t.budget,
+                        chunk_mb=t.chunk_mb, writer_threads=writers, log_every_s=5.0, **params)
     backend = BACKENDS[params["backend"]](model=model, compile=params["compile"], attention=params["attention"])
     if b.args.cold_host_buffers and b.device.type == "cuda":
         empty_pinned_host_cache(b.device)
@@ -202,7 +204,8 @@ def measure_rounds(b: Bench, t: Target, best: dict, probes: dict, bytes_per_toke
                              seed=next(seeds)) if a.fresh_rounds else t.samples)
         return run_extractor(b, t, mine, w, **best["params"], pad_multiple=pad_multiple)
 
-    extracts = {f"extractor-pad{pm}": functools.partial(run, pm) for pm in a.pad_multiples.split(",")}
+    extracts = {f"extractor-pad{pm}": functools.partial(run, int(pm) if pm.isdigit() else pm)
+                for pm in a.pad_multiples.split(",")}
     mine = {k: v for k, v in probes.items() if k.startswith(f"{w}_writers")}
     early = max(mine, key=mine.get).endswith("_early_writeback")
     probe_bytes = int((a.round_probe_gb or a.disk_gb) * 1e9)
@@ -265,13 +268,13 @@ def measure_model(b: Bench, name: str, n_tok: int, budget: int, chunk_mb: int, r
         print(f"[{name}] matmul sustained over {a.matmul_seconds:.0f} s: {sustained[-1]['sustained'] / 1e12:.0f} "
               f"TFLOP/s (first 0.1 s: {sustained[-1]['first_group'] / 1e12:.0f})", flush=True)
     disk = max(res["disk_bytes_per_s"].values())
-    bpt = (len(t.layers) + 1) * c.hidden_size * b.dtype.itemsize + 5
+    bpt = bytes_per_token(len(t.layers), c.hidden_size, b.dtype_name)
     naive = run_naive(b, t)
     print(f"[{name}] naive: {naive['tok_per_s']:.0f} tok/s ({naive['samples']} samples)", flush=True)
     variants, best = measure_variants(b, name, t)
     if name in a.fp8.split(","):
         v = run_extractor(b, t, t.samples, best["writer_threads"], storage_dtype="float8_e4m3fn")
-        bpt8 = (len(t.layers) + 1) * (c.hidden_size + 4) + 5
+        bpt8 = bytes_per_token(len(t.layers), c.hidden_size, "float8_e4m3fn")
         res["models"][name + "-fp8"] = {"storage": "float8_e4m3fn",
                                         **limits_entry(v, naive, roofline, disk / bpt8, bpt8)}
         print(f"[{name}-fp8] extractor: {v['tok_per_s_wall']:.0f} tok/s, {v['bytes'] / 1e9:.1f} GB, "
