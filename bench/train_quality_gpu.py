@@ -1,6 +1,8 @@
 """Drafter quality on the real SmolLM2-135M-Instruct, on one GPU, through the pipeline's own phases; then ablations.
 
-    ShareGPT prompts (first human turn of each line of `python -m eagle3 prompts sharegpt`, MT-bench removed)
+    ShareGPT conversations (`python -m eagle3 prompts sharegpt`, MT-bench removed; --gen-turns: every human turn,
+       each answered after the target's own earlier answers, or the first only; first-turn rows are cut from
+       all-turn answers, bench/quality_prompts.py)
     -> the target's own answers (batched HF generate, bf16): greedy; sampled at --temperature for that ablation
     -> merge -> extraction (bf16; float8_e4m3fn for that ablation) -> training -> export for SGLang
     -> MT-bench evaluation (evaluate_phase, batched decoder: both turns, k=5 and 7, tau over answers that end
@@ -11,7 +13,9 @@ first). Meanwhile the base run and its ablations train on the first --ablation-p
 each, bench/quality_plan.py's order: most informative first) and are evaluated on MT-bench answers of
 --ablation-eval-new-tokens. Then the main run: every answered prompt, the recipe the finished ablations support
 (quality_plan.recipe), its optimizer steps capped to end inside --deadline-s, evaluated at --eval-new-tokens and
-every k. Each row is configured as a pipeline run is (row_config: its knobs as trigger-form params, composed and
+every k. --studies adds issue 30's rows at the default recipe (data scaling, epochs, fp8, the checkpoint chosen by
+simulated acceptance: quality_plan.studies); with --ablations none they run without the base row; --stage generate
+only answers, for a session of its own (docs/device-runs.md, "Quality round 2"). Each row is configured as a pipeline run is (row_config: its knobs as trigger-form params, composed and
 resolved by eagle3.config), in folders of its own. Every finished row is written at once to --out/ablations.json
 and ablations.md (the table for docs/benchmarks.md), the main run to quality_gpu.json.
 
@@ -42,7 +46,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 
-from bench.quality_plan import Clock, Variant, main_variant, plan, recipe, write_table  # noqa: E402
+from bench.quality_plan import OVERRIDE_KNOBS, Clock, Variant, main_variant, plan, recipe, studies, write_table  # noqa: E402
+from bench.quality_prompts import TURNS, first_turns, read_conversations  # noqa: E402
 from eagle3.config import RunConfig, resolve  # noqa: E402
 from eagle3.errors import PipelineError  # noqa: E402
 from eagle3.evaluate.run import evaluate_phase  # noqa: E402
@@ -66,32 +71,12 @@ def target_folder(args, work: Path) -> Path:
     return out
 
 
-def read_first_turns(path: str, n: int, tokenizer, max_prompt_tokens: int) -> list[str]:
-    """The first human turn of the first n usable lines (a prompt JSONL the datagen reads), in file order;
-    prompts longer than max_prompt_tokens are passed over (generation batches stay dense)."""
-    from eagle3.datagen.prompts import BadLine, parse_prompt_line
-
-    out = []
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            if len(out) >= n:
-                break
-            try:
-                _, turns = parse_prompt_line(json.loads(line))
-            except (json.JSONDecodeError, BadLine):
-                continue
-            if len(sd.prompt_ids(tokenizer, turns[0])) <= max_prompt_tokens:
-                out.append(turns[0])
-    if not out:
-        raise PipelineError(f"{path}: no usable prompt")
-    return out
-
-
-def generate(args, prompts: list[str], model_path: Path, root: Path, temperature: float, clock: Clock,
+def generate(args, prompts: list[list[str]], model_path: Path, root: Path, temperature: float, clock: Clock,
              device: str, until: float | None = None) -> int:
-    """The target's answers in parts of --part-size prompts (a finished part is never redone), one datagen-style
-    dataset folder per part under root; no part starts that would end past `until` (default: the clock's
-    deadline). Returns the prompts answered."""
+    """The target's answers to the conversations (--gen-turns: each one's first turn or every turn, a turn not
+    answered once its context reaches --all-turns-seq-len) in parts of --part-size conversations (a finished part
+    is never redone), one datagen-style dataset folder per part under root; no part starts that would end past
+    `until` (default: the clock's deadline). Returns the conversations answered."""
     parts = [(f"P{i // args.part_size:03d}", i) for i in range(0, len(prompts), args.part_size)]
     todo = [p for p in parts if not (root / p[0] / "tokenized.jsonl").is_file()]
     model = tok = None
@@ -104,13 +89,16 @@ def generate(args, prompts: list[str], model_path: Path, root: Path, temperature
             dtype = "bfloat16" if device == "cuda" else "float32"
             model, tok = load_model(model_path, dtype=dtype, device=device), load_tokenizer(model_path)
         t = time.time()
+        cache = {"cache_implementation": "static"} if args.gen_cache == "static" else {}
         samples = sd.generate_answers(model, tok, chunk, args.new_tokens, batch_size=args.gen_batch, log_every=4,
-                                      temperature=temperature, seed=1 + i // args.part_size)
+                                      temperature=temperature, seed=1 + i // args.part_size,
+                                      max_context=args.all_turns_seq_len, **cache)
         clock.record("generate", len(chunk), time.time() - t)
         (root / name).mkdir(parents=True, exist_ok=True)
         with atomic_path(root / name / "tokenized.jsonl") as tmp, open(tmp, "w") as f:
             for j, s in enumerate(samples):
-                f.write(json.dumps({"sample_id": f"{root.name}-{i + j}", "dataset": name, **s}) + "\n")
+                if s["turns"]:
+                    f.write(json.dumps({"sample_id": f"{root.name}-{i + j}", "dataset": name, **s}) + "\n")
         log.info("%s/%s: %d answers, %.0f answer tok/s", root.name, name, len(samples),
                  sum(sum(s["loss_mask"]) for s in samples) / (time.time() - t))
     return answered_parts(root, args.part_size, len(prompts))[1]
@@ -144,6 +132,12 @@ def wait_for_parts(root: Path, parts: int, args, n_prompts: int, gen: subprocess
 TRAIN_OVERRIDES = {"warmup_ratio": 0.02, "checkpoint_every": 500, "log_every": 10, "compile": False}
 
 
+def answers_dir(args, work: Path, d) -> Path:
+    """The answer parts a data variant merges: first turns of all-turn answers are cut from them (first_turns)."""
+    cut = d.turns == "first" and args.gen_turns == "all"
+    return work / "datagen" / (d.answers + ("-first" if cut else ""))
+
+
 def row_config(args, model_path: Path, work: Path, v: Variant) -> RunConfig:
     """One row's run configuration from trigger-form params, resolved as preflight resolves it; then the bench's
     own folders (the rows of a data variant share its merge and extraction) and the main row's random floor."""
@@ -152,11 +146,12 @@ def row_config(args, model_path: Path, work: Path, v: Variant) -> RunConfig:
               # the bench answers the prompts itself: no datagen server to resolve
               "datagen_mode": "remote", "datagen_conn_id": "unused", "served_model_name": "unused",
               "max_seq_len": d.max_seq_len, "storage_dtype": d.storage, "num_shards": args.shards,
-              "token_budget": 65536, "chunk_mb": 256, **v.train, "max_steps": args.max_steps,
-              "train_overrides": TRAIN_OVERRIDES, "eval_prompts": args.eval_prompts, "eval_ks": v.ks,
+              "token_budget": 65536, "chunk_mb": 256, **{k: x for k, x in v.train.items() if k not in OVERRIDE_KNOBS},
+              "max_steps": args.max_steps,
+              "train_overrides": {**TRAIN_OVERRIDES, **{k: x for k, x in v.train.items() if k in OVERRIDE_KNOBS}}, "eval_prompts": args.eval_prompts, "eval_ks": v.ks,
               "eval_max_new_tokens": v.eval_new_tokens, "eval_max_prompts": args.eval_conversations}
     cfg, _ = resolve(RunConfig.from_params(params, v.name))
-    data, answers, trained = work / f"data-{d.key}", work / "datagen" / d.answers, work / f"train-{v.name}"
+    data, answers, trained = work / f"data-{d.key}", answers_dir(args, work, d), work / f"train-{v.name}"
     return replace(
         cfg, merge=replace(cfg.merge, inputs=[str(answers / f"P{p:03d}") for p in range(d.parts)],
                            output_dir=str(data / "merge")),
@@ -194,6 +189,12 @@ class Runs:
                             args.temperature, self.clock, self.device)
             if done < n:
                 raise PipelineError(f"{d.answers} answers: {done} of {n} prompts by the deadline")
+        if d.turns == "all" and args.gen_turns != "all":
+            raise PipelineError(f"{v.name} trains on every turn: generate them (--gen-turns all)")
+        if answers_dir(args, self.work, d).name.endswith("-first"):
+            for p in range(d.parts):
+                part = f"P{p:03d}"
+                first_turns(self.work / "datagen" / d.answers / part, answers_dir(args, self.work, d) / part)
         if d.key not in self.shards_of:
             self.shards_of[d.key] = prepare_data(cfg, self.clock)
         return self.shards_of[d.key]
@@ -222,16 +223,17 @@ class Runs:
             return v.row(status=f"failed: {str(e)[:200]}"), None
 
 
-def run_ablations(runs: Runs, variants: list[Variant], until: float, out: Path, meta: dict) -> list[dict]:
-    """The base run and its ablations, each row written to the table as it ends; a row whose estimate ends past
-    `until` is "not run" (unless already finished: it is read back)."""
+def run_ablations(runs: Runs, variants: list[Variant], until: float, out: Path, meta: dict,
+                  rows: list[dict] | None = None) -> list[dict]:
+    """The base run and its ablations (or other rows), each row added to `rows` and written to the table as it
+    ends; a row whose estimate ends past `until` is "not run" (unless already finished: it is read back)."""
     args, work, clock = runs.args, runs.work, runs.clock
     for v in variants:  # sampled answers first: the child writes the greedy parts meanwhile
         if v.data.answers != "greedy" and clock.allows("variant", v.cost, until):
             n = min(len(runs.prompts), v.data.parts * args.part_size)
             generate(args, runs.prompts[:n], runs.model_path, work / "datagen" / v.data.answers, args.temperature,
                      clock, runs.device)
-    rows: list[dict] = []
+    rows = [] if rows is None else rows
     for v in variants:
         base = next((r for r in rows if r["name"] == "base" and r.get("draft_vocab")), None)
         resumed = (work / f"eval-{v.name}" / "report.json").is_file()
@@ -316,8 +318,14 @@ def parse_args():
     ap.add_argument("--ablations", default="all", help="comma list of ablation names, `all` or `none`")
     ap.add_argument("--main-recipe", choices=("ablations", "base"), default="ablations")
     ap.add_argument("--no-main", action="store_true", help="the base run and ablations only (e.g. rows left)")
-    ap.add_argument("--stage", choices=("all", "generate"), default="all", help=argparse.SUPPRESS)
-    ap.add_argument("--until", type=float, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--gen-turns", choices=TURNS, default="all", help="answer each conversation's first turn or all")
+    ap.add_argument("--gen-cache", choices=("dynamic", "static"), default="dynamic", help="HF generate's KV cache")
+    ap.add_argument("--all-turns-seq-len", type=int, default=2048, help="every-turn rows' cap; no turn past it")
+    ap.add_argument("--studies", default="none", help="round-2 rows: groups (data, epochs, fp8, selection) or rows")
+    ap.add_argument("--study-data", choices=TURNS, default="first", help="the epochs rows' data (full first/all)")
+    ap.add_argument("--stage", choices=("all", "generate"), default="all",
+                    help="generate: only the greedy answers, until --until (epoch seconds), e.g. a session of its own")
+    ap.add_argument("--until", type=float, default=0, help="--stage generate: no part starts that ends past it")
     ap.add_argument("--smoke", action="store_true", help="CPU: tiny everything (the cached SmolLM2 folder)")
     args = ap.parse_args()
     if args.smoke:
@@ -356,7 +364,7 @@ def main() -> None:
             write_mtbench(args.eval_prompts)
     model_path = target_folder(args, work)
     tok = load_tokenizer(model_path)
-    prompts = read_first_turns(args.train_prompts, args.prompts, tok, args.max_prompt_tokens)
+    prompts = read_conversations(args.train_prompts, args.prompts, tok, args.max_prompt_tokens, args.gen_turns)
     greedy = work / "datagen" / "greedy"
     if args.stage == "generate":
         generate(args, prompts, model_path, greedy, 0.0, clock, device, until=args.until)
@@ -367,8 +375,10 @@ def main() -> None:
             "prompts": len(prompts)}
     runs = Runs(args, work, model_path, clock, prompts, device, gen)
     variants = plan(args, -(-min(args.ablation_prompts, len(prompts)) // args.part_size))
-    rows = run_ablations(runs, variants, t0 + args.ablations_by_s, out, meta)
+    round2 = args.studies != "none" and args.ablations == "none"  # the studies' rows without the 3K base run
+    rows = [] if round2 else run_ablations(runs, variants, t0 + args.ablations_by_s, out, meta)
     gen.wait()
+    rows = run_ablations(runs, studies(args, -(-len(prompts) // args.part_size)), clock.deadline, out, meta, rows)
     if not args.no_main:
         parts, answered = answered_parts(greedy, args.part_size, len(prompts))
         rows.append(run_main(runs, rows, variants, parts, answered, out, meta))
