@@ -48,7 +48,8 @@ class Variant:
                "eval_new_tokens": self.eval_new_tokens}
         if train:
             row.update(draft_vocab=train["draft_vocab_size"], steps=train["steps"], train_tokens=train["train_tokens"],
-                       final_loss=train["last"]["loss"], final_acc_k=train["last"]["acc_k"])
+                       final_loss=train["last"]["loss"], final_acc_k=train["last"]["acc_k"],
+                       checkpoint_selection=train.get("checkpoint_selection"))
         if merged:
             row.update(merged_rows=merged.get("rows"), merged_tokens=merged.get("tokens"),
                        truncated=merged.get("truncated"))

@@ -46,3 +46,11 @@ def test_each_turn_is_answered_after_the_targets_own_answers(smollm2_model, smol
     assert cut["turns"] == 1 and answers_of(tok, cut) == [first]
     none, = sd.generate_answers(smollm2_model, tok, [TWO_TURNS], max_new_tokens=16, max_context=len(prompt) // 2)
     assert none == {"input_ids": [], "loss_mask": [], "turns": 0}
+
+
+def test_a_static_kv_cache_gives_the_same_answers(smollm2_model, smollm2_tokenizer):
+    """--gen-cache static (the quality bench's option to try on the GPU) changes the cache, not the answers."""
+    prompts = [ONE_TURN, TWO_TURNS[0]]  # two lengths: left padding in one batch
+    dynamic = sd.generate_answers(smollm2_model, smollm2_tokenizer, prompts, max_new_tokens=10)
+    assert sd.generate_answers(smollm2_model, smollm2_tokenizer, prompts, max_new_tokens=10,
+                               cache_implementation="static") == dynamic
