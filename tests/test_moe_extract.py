@@ -223,3 +223,24 @@ def test_second_shard_task_finds_the_workers_compile_cache(targets, merged, tmp_
     assert first["complete"] and second["complete"]
     assert first["fxgraph_cache_miss"] >= 1 and first["fxgraph_cache_hit"] == 0
     assert second["fxgraph_cache_hit"] >= 1 and second["fxgraph_cache_miss"] == 0, runs
+
+
+def test_preflight_time_estimate_uses_the_rate_of_the_targets_class(targets, tmp_path):
+    from eagle3.extract.rates import H200_SUSTAINED_FLOPS, MEASURED
+    from eagle3.fit import load_config
+    from eagle3.flops import flops_per_token
+    from eagle3.preflight import PreflightConfig, format_report, run_preflight
+    from eagle3.sections import TargetConfig
+
+    for model_type, cls, used in [("llama", "dense", "dense"), ("qwen3_moe", "moe", "moe"),
+                                  ("deepseek_v3", "moe-mla", "moe")]:
+        target = TargetConfig(model_path=str(targets[model_type])).resolved()
+        report = run_preflight(PreflightConfig(output_dir=str(tmp_path / model_type), estimated_tokens=10**7,
+                                               estimate_mean_length=1024), target, nvidia_smi=None)
+        t = report["time"]
+        assert (t["class"], t["rate_class"], t["measured"]) == (cls, used, cls == used)
+        rate = MEASURED[used]["fraction"] * H200_SUSTAINED_FLOPS / flops_per_token(load_config(target.model_path), 1024)
+        assert t["tok_per_s"] == pytest.approx(rate) and t["hours_one_gpu"] == pytest.approx(1e7 / rate / 3600)
+        text = format_report(report)
+        assert f"{cls} target: {MEASURED[used]['fraction']:.0%} of the roofline, as measured for {used}" in text
+        assert ("not measured yet" in text) == (cls != used)
