@@ -124,6 +124,31 @@ def states_error(ref_model, model, layers: list[int], dtype_name: str, ids: torc
     return out
 
 
+def fp8_extraction_backend(model_path, capture: list[int], folder: Path):
+    """The real target quantized to FP8 on load (quantize_fp8), as an extraction backend (the quality run's
+    fp8-weights row); beside it, the relative error of its captured states against bf16 per capture layer on 8
+    prompts of real text, written once to <folder>/fp8_state_error.json."""
+    import json
+
+    from eagle3.models import load_model, load_tokenizer
+    from tests.support.selfdistill import make_prompts
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = "bfloat16" if device == "cuda" else "float32"
+    model, ref = (load_model(model_path, dtype=dtype).to(device) for _ in range(2))
+    method = quantize_fp8(model)
+    path = Path(folder) / "fp8_state_error.json"
+    if not path.exists():
+        tok = load_tokenizer(model_path)
+        ids = [tok(p)["input_ids"] for p in make_prompts(8)]
+        n = min(map(len, ids))
+        err = states_error(ref, model, capture, dtype, torch.tensor([x[:n] for x in ids], device=device))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"method": method, "tokens": 8 * n, "layers": err}, indent=2))
+        print(f"fp8 weights ({method}): " + ", ".join(f"{e['layer']} rel L2 {e['rel_l2']:.4f}" for e in err), flush=True)
+    return HFBackend(model=model)
+
+
 # -- the machine's limits ---------------------------------------------------------------------
 
 def matmul_probe(device, dtype, n: int, reps: int) -> float:

@@ -40,6 +40,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 
+from bench.extract_limits import fp8_extraction_backend  # noqa: E402
 from bench.quality_plan import Clock, DataVariant, Variant, main_variant, plan, recipe, write_table  # noqa: E402
 from eagle3.errors import PipelineError  # noqa: E402
 from eagle3.extract.config import ExtractConfig, ShardPlanConfig  # noqa: E402
@@ -50,6 +51,7 @@ from eagle3.merge.config import MergeConfig  # noqa: E402
 from eagle3.merge.run import run_merge  # noqa: E402
 from eagle3.models import COMPLETE_MARKER, convert_gguf, default_capture_layers, load_model, load_tokenizer, model_info  # noqa: E402
 from tests.support import selfdistill as sd  # noqa: E402
+from tests.support.configs import phase  # noqa: E402
 from eagle3.evaluate.config import EvalConfig
 from eagle3.train.config import TrainConfig  # noqa: E402
 from eagle3.evaluate.run import evaluate_phase
@@ -147,13 +149,14 @@ def prepare_data(args, data: DataVariant, work: Path, model_path: Path, info, cl
     folder = work / f"data-{data.key}"
     root = work / "datagen" / data.answers
     inputs = [str(root / f"P{p:03d}") for p in range(data.parts)]
-    merged = run_merge(MergeConfig(inputs=inputs, output_dir=str(folder / "merge"), max_seq_len=data.max_seq_len,
-                                   vocab_size=info.vocab_size, hidden_size=info.hidden_size))
+    merged = run_merge(phase(MergeConfig, inputs=inputs, output_dir=str(folder / "merge"), max_seq_len=data.max_seq_len,
+                             vocab_size=info.vocab_size, hidden_size=info.hidden_size))
     t = time.time()
     capture = default_capture_layers(info.num_layers)
-    shards = [extract_shard(ExtractConfig(model_path=str(model_path), extract_dir=str(folder / "extract"),
-                                          capture_layers=capture, storage_dtype=data.storage, chunk_mb=256,
-                                          token_budget=65536), spec)
+    backend = fp8_extraction_backend(model_path, capture, folder) if data.weights == "fp8" else None
+    shards = [extract_shard(phase(ExtractConfig, model_path=str(model_path), extract_dir=str(folder / "extract"),
+                                  capture_layers=capture, storage_dtype=data.storage, chunk_mb=256,
+                                  token_budget=65536), spec, backend=backend)
               for spec in plan_shards(ShardPlanConfig(str(folder / "merge"), args.shards))]
     clock.record("extract", merged["tokens"], time.time() - t)
     return [s["shard_dir"] for s in shards], merged

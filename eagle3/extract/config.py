@@ -29,6 +29,8 @@ EXPERTS_CHOICES = ("auto", "eager", "batched_mm", "grouped_mm")
 COMPILE_SCOPES = ("auto", "layers", "moe-blocks")
 STATE_PARAMS = ("model_path", "capture_layers", "dtype", "storage_dtype", "backend", "attention",
                 "experts_implementation")
+# state params added after shards were extracted without them: what those shards ran with
+ADDED_STATE_PARAMS = {"experts_implementation": "auto"}
 PLAN_PARAMS = ("token_budget", "chunk_mb", "pad_multiple")
 
 

@@ -30,7 +30,7 @@ from eagle3.errors import ConfigError, PipelineError
 from eagle3.extract.backend import DTYPES, ExtractionBackend, HFBackend, check_attention
 from eagle3.extract.compile_cache import use_compile_cache
 from eagle3.extract.batches import PlanSegment, padded_length, plan_segments, real_token_index
-from eagle3.extract.config import FP8, ExtractConfig
+from eagle3.extract.config import ADDED_STATE_PARAMS, FP8, ExtractConfig
 from eagle3.extract.format import CorruptChunkError, ShardManifest, bytes_per_token, load_chunk
 from eagle3.extract.fused_llama import FusedLlamaBackend
 from eagle3.extract.pipeline import ChunkPipeline, HostBufferPool, StateBuffers, store_states
@@ -184,6 +184,7 @@ class ShardExtractor:
         if not isinstance(old, dict):
             raise ConfigError(f"{path}: {len(m.chunks)} chunks were committed by an older version that recorded "
                               f"no state params; delete {self.shard_dir} to extract the shard again")
+        old = {**ADDED_STATE_PARAMS, **old}
         for name, new in self.states.items():
             if old.get(name) != new:
                 raise ConfigError(
