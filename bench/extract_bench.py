@@ -53,8 +53,9 @@ from bench.extract_levers import measure_moe, measure_variants_side_by_side, par
 from bench.extract_moe import is_moe  # noqa: E402
 from eagle3.extract.config import ExtractConfig, ShardPlanConfig  # noqa: E402
 from eagle3.extract.extractor import BACKENDS, ShardExtractor  # noqa: E402
+from eagle3.fit import bytes_per_token  # noqa: E402
 from eagle3.extract.plan import plan_shards  # noqa: E402
-from tests.support.configs import phase  # noqa: E402
+from eagle3.sections import TargetConfig  # noqa: E402
 from tests.support.synthetic import write_merged_dataset  # noqa: E402
 
 SMOKE = dict(models="tiny,tiny-moe,tiny-mla", device="cpu", dtype="float32", tokens="3000,1500,1500", min_len=64,
@@ -120,9 +121,10 @@ def run_extractor(b: Bench, t: Target, samples, writers: int, model=None, **para
     spec = plan_shards(ShardPlanConfig(str(work / "merge"), 1))[0]
     c = model.config
     mc = {"num_layers": c.num_hidden_layers, "hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size}
-    cfg = phase(ExtractConfig, model_path=t.model_path, extract_dir=str(work / "out"), capture_layers=t.layers,
-                device=str(b.device), dtype=b.dtype_name, token_budget=params.pop("token_budget", t.budget),
-                chunk_mb=t.chunk_mb, writer_threads=writers, log_every_s=5.0, **params)
+    target = TargetConfig(model_path=t.model_path, capture_layers=t.layers, dtype=b.dtype_name)
+    cfg = ExtractConfig(target=target, extract_dir=str(work / "out"), device=str(b.device),
+                        token_budget=params.pop("token_budget", t.budget), chunk_mb=t.chunk_mb,
+                        writer_threads=writers, log_every_s=5.0, **params)
     moe_options = {"experts": cfg.experts_implementation, "compile_scope": cfg.compile_scope} \
         if cfg.backend == "hf" else {}
     backend = BACKENDS[cfg.backend](model=model, compile=cfg.compile, attention=cfg.attention, **moe_options)
@@ -206,10 +208,10 @@ def measure_rounds(b: Bench, t: Target, best: dict, probes: dict, bytes_per_toke
     def run(pad_multiple):
         mine = (make_samples(sum(map(len, t.samples)), a.min_len, a.max_len, t.model.config.vocab_size,
                              seed=next(seeds)) if a.fresh_rounds else t.samples)
-        return run_extractor(b, t, mine, w, **best["params"],
-                             pad_multiple=int(pad_multiple) if pad_multiple.isdigit() else pad_multiple)
+        return run_extractor(b, t, mine, w, **best["params"], pad_multiple=pad_multiple)
 
-    extracts = {f"extractor-pad{pm}": functools.partial(run, pm) for pm in a.pad_multiples.split(",")}
+    extracts = {f"extractor-pad{pm}": functools.partial(run, int(pm) if pm.isdigit() else pm)
+                for pm in a.pad_multiples.split(",")}
     mine = {k: v for k, v in probes.items() if k.startswith(f"{w}_writers")}
     early = max(mine, key=mine.get).endswith("_early_writeback")
     probe_bytes = int((a.round_probe_gb or a.disk_gb) * 1e9)
@@ -272,13 +274,13 @@ def measure_model(b: Bench, name: str, n_tok: int, budget: int, chunk_mb: int, r
         print(f"[{name}] matmul sustained over {a.matmul_seconds:.0f} s: {sustained[-1]['sustained'] / 1e12:.0f} "
               f"TFLOP/s (first 0.1 s: {sustained[-1]['first_group'] / 1e12:.0f})", flush=True)
     disk = max(res["disk_bytes_per_s"].values())
-    bpt = (len(t.layers) + 1) * c.hidden_size * b.dtype.itemsize + 5
+    bpt = bytes_per_token(len(t.layers), c.hidden_size, b.dtype_name)
     naive = run_naive(b, t)
     print(f"[{name}] naive: {naive['tok_per_s']:.0f} tok/s ({naive['samples']} samples)", flush=True)
     variants, best = measure_variants(b, name, t)
     if name in a.fp8.split(","):
         v = run_extractor(b, t, t.samples, best["writer_threads"], storage_dtype="float8_e4m3fn")
-        bpt8 = (len(t.layers) + 1) * (c.hidden_size + 4) + 5
+        bpt8 = bytes_per_token(len(t.layers), c.hidden_size, "float8_e4m3fn")
         res["models"][name + "-fp8"] = {"storage": "float8_e4m3fn",
                                         **limits_entry(v, naive, roofline, disk / bpt8, bpt8)}
         print(f"[{name}-fp8] extractor: {v['tok_per_s_wall']:.0f} tok/s, {v['bytes'] / 1e9:.1f} GB, "

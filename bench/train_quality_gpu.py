@@ -11,8 +11,9 @@ first). Meanwhile the base run and its ablations train on the first --ablation-p
 each, bench/quality_plan.py's order: most informative first) and are evaluated on MT-bench answers of
 --ablation-eval-new-tokens. Then the main run: every answered prompt, the recipe the finished ablations support
 (quality_plan.recipe), its optimizer steps capped to end inside --deadline-s, evaluated at --eval-new-tokens and
-every k. Every finished row is written at once to --out/ablations.json and ablations.md (the table for
-docs/benchmarks.md), the main run to quality_gpu.json.
+every k. Each row is configured as a pipeline run is (row_config: its knobs as trigger-form params, composed and
+resolved by eagle3.config), in folders of its own. Every finished row is written at once to --out/ablations.json
+and ablations.md (the table for docs/benchmarks.md), the main run to quality_gpu.json.
 
 Deadlines: the answers stop at --gen-by-s, the ablation rows start no later than --ablations-by-s (a row whose
 estimate ends later is "not run"), everything ends by --deadline-s less --reserve-s (seconds from the start). Every
@@ -33,6 +34,7 @@ import shutil
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -41,21 +43,17 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 
 from bench.extract_limits import fp8_extraction_backend  # noqa: E402
-from bench.quality_plan import Clock, DataVariant, Variant, main_variant, plan, recipe, write_table  # noqa: E402
+from bench.quality_plan import Clock, Variant, main_variant, plan, recipe, write_table  # noqa: E402
+from eagle3.config import RunConfig, resolve  # noqa: E402
 from eagle3.errors import PipelineError  # noqa: E402
-from eagle3.extract.config import ExtractConfig, ShardPlanConfig  # noqa: E402
-from eagle3.extract.run import extract_shard  # noqa: E402
+from eagle3.evaluate.run import evaluate_phase  # noqa: E402
 from eagle3.extract.plan import plan_shards  # noqa: E402
+from eagle3.extract.run import extract_shard  # noqa: E402
 from eagle3.io import atomic_path, atomic_write_json, read_json  # noqa: E402
-from eagle3.merge.config import MergeConfig  # noqa: E402
 from eagle3.merge.run import run_merge  # noqa: E402
-from eagle3.models import COMPLETE_MARKER, convert_gguf, default_capture_layers, load_model, load_tokenizer, model_info  # noqa: E402
-from tests.support import selfdistill as sd  # noqa: E402
-from tests.support.configs import phase  # noqa: E402
-from eagle3.evaluate.config import EvalConfig
-from eagle3.train.config import TrainConfig  # noqa: E402
-from eagle3.evaluate.run import evaluate_phase
+from eagle3.models import COMPLETE_MARKER, convert_gguf, load_model, load_tokenizer  # noqa: E402
 from eagle3.train.run import train_phase  # noqa: E402
+from tests.support import selfdistill as sd  # noqa: E402
 
 log = logging.getLogger("quality")
 
@@ -143,21 +141,42 @@ def wait_for_parts(root: Path, parts: int, args, n_prompts: int, gen: subprocess
         time.sleep(2)
 
 
-def prepare_data(args, data: DataVariant, work: Path, model_path: Path, info, clock: Clock):
-    """Merge (the first data.parts answer parts of the variant's answers, length cap) and extraction (storage
-    dtype) of one data variant: (its shard folders, the merge report)."""
-    folder = work / f"data-{data.key}"
-    root = work / "datagen" / data.answers
-    inputs = [str(root / f"P{p:03d}") for p in range(data.parts)]
-    merged = run_merge(phase(MergeConfig, inputs=inputs, output_dir=str(folder / "merge"), max_seq_len=data.max_seq_len,
-                             vocab_size=info.vocab_size, hidden_size=info.hidden_size))
+# the recipe's knobs that are no trigger-form param: the form's train_overrides, as a run would set them
+TRAIN_OVERRIDES = {"warmup_ratio": 0.02, "checkpoint_every": 500, "log_every": 10, "compile": False}
+
+
+def row_config(args, model_path: Path, work: Path, v: Variant) -> RunConfig:
+    """One row's run configuration from trigger-form params, resolved as preflight resolves it; then the bench's
+    own folders (the rows of a data variant share its merge and extraction) and the main row's random floor."""
+    d = v.data
+    params = {"model_path": str(model_path), "output_root": str(work), "run_name": v.name,
+              # the bench answers the prompts itself: no datagen server to resolve
+              "datagen_mode": "remote", "datagen_conn_id": "unused", "served_model_name": "unused",
+              "max_seq_len": d.max_seq_len, "storage_dtype": d.storage, "num_shards": args.shards,
+              "token_budget": 65536, "chunk_mb": 256, **v.train, "max_steps": args.max_steps,
+              "train_overrides": TRAIN_OVERRIDES, "eval_prompts": args.eval_prompts, "eval_ks": v.ks,
+              "eval_max_new_tokens": v.eval_new_tokens, "eval_max_prompts": args.eval_conversations}
+    cfg, _ = resolve(RunConfig.from_params(params, v.name))
+    data, answers, trained = work / f"data-{d.key}", work / "datagen" / d.answers, work / f"train-{v.name}"
+    return replace(
+        cfg, merge=replace(cfg.merge, inputs=[str(answers / f"P{p:03d}") for p in range(d.parts)],
+                           output_dir=str(data / "merge")),
+        plan=replace(cfg.plan, merge_dir=str(data / "merge")),
+        extract=replace(cfg.extract, extract_dir=str(data / "extract")),
+        train=replace(cfg.train, output_dir=str(trained)),
+        evaluate=replace(cfg.evaluate, export_dir=str(trained / "export"), output_dir=str(work / f"eval-{v.name}"),
+                         random_floor=v.name == "main", floor_max_prompts=8))
+
+
+def prepare_data(cfg: RunConfig, clock: Clock, weights: str = "bf16"):
+    """Merge (the variant's answer parts, its length cap) and extraction (its storage dtype; from the target FP8 on
+    load when `weights` is fp8) of one data variant: (its shard folders, the merge report)."""
+    merged = run_merge(cfg.merge)
     t = time.time()
-    capture = default_capture_layers(info.num_layers)
-    backend = fp8_extraction_backend(model_path, capture, folder) if data.weights == "fp8" else None
-    shards = [extract_shard(phase(ExtractConfig, model_path=str(model_path), extract_dir=str(folder / "extract"),
-                                  capture_layers=capture, storage_dtype=data.storage, chunk_mb=256,
-                                  token_budget=65536), spec, backend=backend)
-              for spec in plan_shards(ShardPlanConfig(str(folder / "merge"), args.shards))]
+    t_cfg = cfg.extract.target
+    backend = (fp8_extraction_backend(t_cfg.model_path, t_cfg.capture_layers, Path(cfg.extract.extract_dir).parent)
+               if weights == "fp8" else None)
+    shards = [extract_shard(cfg.extract, spec, backend=backend) for spec in plan_shards(cfg.plan)]
     clock.record("extract", merged["tokens"], time.time() - t)
     return [s["shard_dir"] for s in shards], merged
 
@@ -165,12 +184,12 @@ def prepare_data(args, data: DataVariant, work: Path, model_path: Path, info, cl
 class Runs:
     """What one variant needs besides its knobs: the target, the prompts, the data prepared so far, the clock."""
 
-    def __init__(self, args, work: Path, model_path: Path, info, clock: Clock, prompts: list[str], device: str,
+    def __init__(self, args, work: Path, model_path: Path, clock: Clock, prompts: list[str], device: str,
                  gen: subprocess.Popen | None):
-        self.args, self.work, self.model_path, self.info, self.clock = args, work, model_path, info, clock
+        self.args, self.work, self.model_path, self.clock = args, work, model_path, clock
         self.prompts, self.device, self.gen, self.shards_of = prompts, device, gen, {}
 
-    def data(self, v: Variant):
+    def data(self, v: Variant, cfg: RunConfig):
         args, d = self.args, v.data
         n = min(len(self.prompts), d.parts * args.part_size)
         wait_for_parts(self.work / "datagen" / "greedy", d.parts, args, len(self.prompts), self.gen)
@@ -180,33 +199,25 @@ class Runs:
             if done < n:
                 raise PipelineError(f"{d.answers} answers: {done} of {n} prompts by the deadline")
         if d.key not in self.shards_of:
-            self.shards_of[d.key] = prepare_data(args, d, self.work, self.model_path, self.info, self.clock)
+            self.shards_of[d.key] = prepare_data(cfg, self.clock, d.weights)
         return self.shards_of[d.key]
 
     def run(self, v: Variant, max_steps: int = 0, on_data=None) -> tuple[dict, tuple | None]:
         """Train and evaluate one variant: (its table row, (train, ev, merged, failure) or None)."""
-        args, work = self.args, self.work
+        cfg = row_config(self.args, self.model_path, self.work, v)  # a ConfigError is the bench's bug: it stops
         try:
-            shard_dirs, merged = self.data(v)
-            if on_data:
-                max_steps = on_data(merged)
+            shard_dirs, merged = self.data(v, cfg)
+            max_steps = on_data(merged) if on_data else max_steps
             t = time.time()
-            train = train_phase(TrainConfig(shard_dirs=shard_dirs, model_path=str(self.model_path),
-                                            output_dir=str(work / f"train-{v.name}"), warmup_ratio=0.02,
-                                            checkpoint_every=500, log_every=10, max_seq_len=v.data.max_seq_len,
-                                            max_steps=max_steps or args.max_steps, compile=False, **v.train))
+            train = train_phase(replace(cfg.train, shard_dirs=shard_dirs, max_steps=max_steps or cfg.train.max_steps))
             train_s = time.time() - t
-            self.clock.record("train_sample", train["steps"] * v.train["batch_size"], train_s)
+            self.clock.record("train_sample", train["steps"] * cfg.train.batch_size, train_s)
             t = time.time()
             failure = None
-            ecfg = EvalConfig(export_dir=train["export_dir"], model_path=str(self.model_path),
-                              output_dir=str(work / f"eval-{v.name}"), prompts_file=args.eval_prompts, ks=v.ks,
-                              max_new_tokens=v.eval_new_tokens, max_prompts=args.eval_conversations,
-                              random_floor=v.name == "main", floor_max_prompts=8)
             try:
-                ev = evaluate_phase(ecfg)
+                ev = evaluate_phase(cfg.evaluate)
             except PipelineError as e:  # the phase wrote its figures before failing: keep them, say why
-                failure, ev = str(e)[:300], read_json(work / f"eval-{v.name}" / "report.failed.json")
+                failure, ev = str(e)[:300], read_json(Path(cfg.evaluate.output_dir) / "report.failed.json")
             row = v.row(status="done" if failure is None else "NOT LOSSLESS", train=train, ev=ev, merged=merged,
                         train_s=round(train_s, 1), eval_s=round(time.time() - t, 1), failure=failure)
             return row, (train, ev, merged, failure)
@@ -348,7 +359,7 @@ def main() -> None:
             args.eval_prompts = str(work / "mtbench.jsonl")
             write_mtbench(args.eval_prompts)
     model_path = target_folder(args, work)
-    info, tok = model_info(model_path), load_tokenizer(model_path)
+    tok = load_tokenizer(model_path)
     prompts = read_first_turns(args.train_prompts, args.prompts, tok, args.max_prompt_tokens)
     greedy = work / "datagen" / "greedy"
     if args.stage == "generate":
@@ -358,7 +369,7 @@ def main() -> None:
     meta = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "argv": sys.argv[1:],
             "device": torch.cuda.get_device_name(0) if device == "cuda" else "cpu", "torch": torch.__version__,
             "prompts": len(prompts)}
-    runs = Runs(args, work, model_path, info, clock, prompts, device, gen)
+    runs = Runs(args, work, model_path, clock, prompts, device, gen)
     variants = plan(args, -(-min(args.ablation_prompts, len(prompts)) // args.part_size))
     rows = run_ablations(runs, variants, t0 + args.ablations_by_s, out, meta)
     gen.wait()

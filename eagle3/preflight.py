@@ -21,7 +21,7 @@ from eagle3.fit import (check_fits, check_fp8_device, check_tp_divides, load_con
                         weight_estimate)
 from eagle3.io import atomic_write_json
 from eagle3.knobs import check_knobs, knob
-from eagle3.extract.format import bytes_per_token
+from eagle3.fit import bytes_per_token
 from eagle3.extract.rates import time_estimate
 from eagle3.merge.stats import human_hours
 from eagle3.models import model_info
@@ -49,9 +49,11 @@ class PreflightConfig:
                                                        "assumes (attention's cost grows with it).")
     fit_headroom: float = knob(0.8, gt=0, max=1, help="The target's weights per GPU must fit this fraction of the "
                                                       "free GPU memory (activations and the CUDA context need the rest).")
-    serving_engines: list[str] = knob(default_factory=lambda: ["sglang"], choices=ENGINES,
-                                      help="Engines the drafter must be servable by: a capture-layer or target "
-                                           "problem for one of them fails preflight (for the others: a note).")
+    serving_engines: list[str] = knob(default_factory=lambda: ["sglang"], param="serving_engines", section="Run",
+                                      items={"enum": list(ENGINES)}, schema={"uniqueItems": True},
+                                      help="Engines the drafter must be servable by (sglang, vllm): a capture-layer "
+                                           "or target problem for one of them fails preflight; for the others it "
+                                           "is a note in preflight's log.")
 
     def __post_init__(self):
         check_knobs(self, "preflight")

@@ -42,6 +42,11 @@ class PreflightOperator(BaseOperator):
             raise AirflowFailException(f"{self.task_id}: {e} (a config error: not retried)") from e
         for note in notes:
             self.log.info("%s", note)
+        from eagle3_airflow.deployment import name_the_run
+
+        # the run page shows the note beside the run id: the name a user gave (or the id's folder name) and folder
+        name_the_run(self.dag_id, context["run_id"], cfg.run.run_name, cfg.run.dir)
+        self.log.info("run %s: its files go to %s", cfg.run.run_name, cfg.run.dir)
         report = run_preflight(cfg.preflight, cfg.target, cfg.extract.storage_dtype, notes=notes)
         t = cfg.target
         return {

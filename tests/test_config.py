@@ -133,3 +133,9 @@ def test_unknown_key_in_a_phase_config_names_it():
         build(MergeConfig, {"inputs": ["a"], "output_dir": "o", "max_seq_length": 5}, "merge")
     with pytest.raises(ConfigError, match=r"merge.data: unknown param\(s\) \['max_seq_length'\]"):
         build(MergeConfig, {"inputs": ["a"], "output_dir": "o", "data": {"max_seq_length": 5}}, "merge")
+
+
+def test_exclude_is_optional_in_the_form_and_empty_means_none():
+    """Airflow's form marks a param required unless its type admits null; left empty it arrives as null."""
+    assert "null" in form_params()["exclude"]["schema"]["type"]
+    assert RunConfig.from_params({**with_form_defaults({}), "exclude": None}, "manual__x").merge.exclude == []

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tests.support.configs import phase
-from tiny_targets import CAPTURE, HIDDEN, TARGETS, build_tiny_target
+from tests.support.tiny_targets import CAPTURE, HIDDEN, TARGETS, build_tiny_target
 
 PROMPTS = 8
 ANSWER_LEN = 16

@@ -48,7 +48,9 @@ class ExtractConfig:
     token_budget: int = knob(16384, min=256, param="token_budget", section=SECTION,
                              help="Padded tokens per forward pass; lower it after an out-of-memory error.")
     chunk_mb: float = knob(1024, gt=0, param="chunk_mb", section=SECTION,
-                           help="Target size of a chunk file in MiB (the unit of commit and resume).")
+                           help="Target size of a chunk file in MiB (the unit of commit and resume). A chunk holds "
+                                "whole batches: below one batch's states (token_budget tokens), each batch is "
+                                "still one chunk.")
     # GPU runs pin up to writer_threads + 1 chunk buffers of chunk_mb each (made on demand: HostBufferPool);
     # 6 was best of 3/6 on the H200's disk (docs/benchmarks.md)
     writer_threads: int = knob(6, min=1, max=64, help="Chunks written at once (while one fsyncs, others write).")

@@ -31,7 +31,8 @@ from eagle3.extract.backend import DTYPES, ExtractionBackend, HFBackend, check_a
 from eagle3.extract.compile_cache import use_compile_cache
 from eagle3.extract.batches import PlanSegment, padded_length, plan_segments, real_token_index
 from eagle3.extract.config import ADDED_STATE_PARAMS, FP8, ExtractConfig
-from eagle3.extract.format import CorruptChunkError, ShardManifest, bytes_per_token, load_chunk
+from eagle3.extract.format import CorruptChunkError, ShardManifest, load_chunk
+from eagle3.fit import bytes_per_token
 from eagle3.extract.fused_llama import FusedLlamaBackend
 from eagle3.extract.pipeline import ChunkPipeline, HostBufferPool, StateBuffers, store_states
 from eagle3.extract.plan import ShardData, ShardSpec, load_shard_data

@@ -1,6 +1,7 @@
 """Tensor-parallel extraction of one shard: tp_size ranks (eagle3.launch), transformers' tp_plan="auto".
 
-    eagle3.extract.run.extract_shard(ExtractConfig(..., tp_size=3), spec)   # dispatches here when tp_size > 1
+    eagle3.extract.run.extract_shard(ExtractConfig(target=TargetConfig(..., tp_size=3).resolved(), ...), spec)
+    # dispatches here when target.tp_size > 1
 
 Each rank loads its slice of the target (`from_pretrained(..., tp_plan="auto")`: attention heads, kv heads and
 MLP columns/rows split, experts spread; one all-reduce per attention and MLP block). After each all-reduce the

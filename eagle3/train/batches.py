@@ -69,8 +69,9 @@ def count_truncation(reader: HiddenStateReader, max_seq_len: int) -> Truncation:
                 cut.samples += 1
                 cut.tokens += n - max_seq_len
     if cut.samples:
-        log.warning("train param max_seq_len %d cuts %d of %d samples (%d tokens, longest sample %d): those tokens "
-                    "were extracted but are not trained on; set max_seq_len to merge's cap to train on them",
+        log.warning("data param max_seq_len %d cuts %d of %d samples (%d tokens, longest sample %d): those tokens "
+                    "were extracted but are not trained on (shards merged with a larger cap than this run's "
+                    "max_seq_len); train with the cap they were merged with to use them",
                     max_seq_len, cut.samples, reader.num_samples, cut.tokens, cut.longest)
     return cut
 

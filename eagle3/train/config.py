@@ -7,9 +7,10 @@ form's free `train_overrides` object, where an unknown key is a ConfigError nami
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 from eagle3.errors import ConfigError
-from eagle3.io import fingerprint
+from eagle3.io import MANIFEST_NAME, fingerprint, read_json
 from eagle3.knobs import check_knobs, knob
 from eagle3.sections import DataConfig, TargetConfig
 
@@ -90,5 +91,25 @@ class TrainConfig:
         return self.data.max_seq_len
 
     def fingerprint(self) -> str:
+        """The params (checkpoints carry it); the phase's record adds the data (eagle3.train.run)."""
         d = {k: v for k, v in asdict(self).items() if k not in _NOT_IN_FINGERPRINT + ("target", "data")}
         return fingerprint({**d, "model_path": self.model_path, "max_seq_len": self.max_seq_len})
+
+
+def shard_chunk_hashes(shard_dirs: list[str]) -> dict[str, list[str] | None]:
+    """{shard folder: its committed chunks' sha256 as its manifest records them} (None: no readable manifest).
+    Read from the manifests: no chunk file is hashed again."""
+    out: dict[str, list[str] | None] = {}
+    for d in shard_dirs:
+        try:
+            chunks = read_json(Path(d) / MANIFEST_NAME).get("chunks") or []
+            out[str(d)] = [str(c.get("sha256")) for c in chunks]
+        except (OSError, ValueError, AttributeError):
+            out[str(d)] = None
+    return out
+
+
+def data_fingerprint(shard_dirs: list[str]) -> str:
+    """What training reads, by content: the chunks' sha256 of every shard (sorted by folder)."""
+    hashes = shard_chunk_hashes(shard_dirs)
+    return fingerprint([[Path(d).name, hashes[d]] for d in sorted(hashes)])
