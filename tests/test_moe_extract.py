@@ -26,7 +26,7 @@ from eagle3.flops import active_linear_params, attention_dims, routed_expert_par
 from tests.support.configs import phase
 from tests.support.reference import reference_states
 from tests.support.synthetic import write_merged_dataset
-from tiny_targets import _COMMON, CAPTURE, HIDDEN, TARGETS, build_tiny_target
+from tests.support.tiny_targets import _COMMON, CAPTURE, TARGETS, build_tiny_target
 
 ROOT = Path(__file__).resolve().parents[1]
 MOE_TYPES = ["qwen3_moe", "deepseek_v3"]
