@@ -25,10 +25,12 @@ class DataVariant:
     max_seq_len: int = 512
     parts: int = 1  # answer parts (of --part-size prompts each) merged
     turns: str = "first"  # first: each conversation cut after its first answer; all: every turn answered
+    weights: str = "bf16"  # the target's weights during extraction: bf16, or fp8 (torchao on load)
 
     @property
     def key(self) -> str:
-        return f"{self.answers}-{self.storage}-{self.max_seq_len}-p{self.parts}" + ("-all" if self.turns == "all" else "")
+        return (f"{self.answers}-{self.storage}-{self.max_seq_len}-p{self.parts}"
+                + ("-all" if self.turns == "all" else "") + ("-fp8w" if self.weights == "fp8" else ""))
 
 
 @dataclass
@@ -89,6 +91,8 @@ def plan(args, ablation_parts: int) -> list[Variant]:
         "vocab_all": v("vocab_all", "draft vocab = all distinct tokens", "draft_vocab_size",
                        draft_vocab_size=10 ** 6),
         "fp8": v("fp8", "states stored float8_e4m3fn", "storage", replace(data, storage="float8_e4m3fn"), cost=1.2),
+        "fp8-weights": v("fp8-weights", "states extracted from the target FP8 on load (torchao)", "weights",
+                         replace(data, weights="fp8"), cost=1.2),
         "sampled": v("sampled", f"sampled answers (T={args.temperature})", "answers",
                      replace(data, answers="sampled"), cost=2.0),
         "seq2048": v("seq2048", "max_seq_len 2048", "max_seq_len", replace(data, max_seq_len=2048), cost=1.3),
@@ -160,8 +164,8 @@ def main_variant(base: Variant, parts: int, train_o: dict, data_o: dict, ks: lis
 
 def recipe(rows: list[dict], variants: list[Variant]) -> tuple[dict, dict, list[str]]:
     """The knobs the finished rows support: per group, the row with the highest tau at the first k, when it beats
-    the base run by more than MARGIN (else the base value). Sampled answers are reported, never adopted (the main
-    run's answers are greedy). Returns (train overrides, data overrides, one reason per group decided)."""
+    the base run by more than MARGIN (else the base value). Sampled answers and FP8 weights are reported, never
+    adopted (the main run's answers are greedy, its states bf16). Returns (train overrides, data overrides, one reason per group decided)."""
     by_name = {v.name: v for v in variants}
     done = {r["name"]: r for r in rows if r.get("tau") and r["status"] == "done"}
     if "base" not in done:
@@ -169,7 +173,7 @@ def recipe(rows: list[dict], variants: list[Variant]) -> tuple[dict, dict, list[
     k = str(by_name["base"].ks[0])
     base_tau = done["base"]["tau"][k]
     train, data, why = {}, {}, []
-    for group in dict.fromkeys(v.group for v in variants if v.group and v.group != "answers"):
+    for group in dict.fromkeys(v.group for v in variants if v.group and v.group not in ("answers", "weights")):
         tried = [n for n, v in by_name.items() if v.group == group and n in done]
         if not tried:
             continue

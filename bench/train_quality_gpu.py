@@ -46,6 +46,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 
+from bench.extract_limits import fp8_extraction_backend  # noqa: E402
 from bench.quality_plan import OVERRIDE_KNOBS, Clock, Variant, main_variant, plan, recipe, studies, write_table  # noqa: E402
 from bench.quality_prompts import TURNS, first_turns, read_conversations  # noqa: E402
 from eagle3.config import RunConfig, resolve  # noqa: E402
@@ -162,12 +163,15 @@ def row_config(args, model_path: Path, work: Path, v: Variant) -> RunConfig:
                          random_floor=v.name == "main", floor_max_prompts=8))
 
 
-def prepare_data(cfg: RunConfig, clock: Clock):
-    """Merge (the variant's answer parts, its length cap) and extraction (its storage dtype) of one data variant:
-    (its shard folders, the merge report)."""
+def prepare_data(cfg: RunConfig, clock: Clock, weights: str = "bf16"):
+    """Merge (the variant's answer parts, its length cap) and extraction (its storage dtype; from the target FP8 on
+    load when `weights` is fp8) of one data variant: (its shard folders, the merge report)."""
     merged = run_merge(cfg.merge)
     t = time.time()
-    shards = [extract_shard(cfg.extract, spec) for spec in plan_shards(cfg.plan)]
+    t_cfg = cfg.extract.target
+    backend = (fp8_extraction_backend(t_cfg.model_path, t_cfg.capture_layers, Path(cfg.extract.extract_dir).parent)
+               if weights == "fp8" else None)
+    shards = [extract_shard(cfg.extract, spec, backend=backend) for spec in plan_shards(cfg.plan)]
     clock.record("extract", merged["tokens"], time.time() - t)
     return [s["shard_dir"] for s in shards], merged
 
@@ -196,7 +200,7 @@ class Runs:
                 part = f"P{p:03d}"
                 first_turns(self.work / "datagen" / d.answers / part, answers_dir(args, self.work, d) / part)
         if d.key not in self.shards_of:
-            self.shards_of[d.key] = prepare_data(cfg, self.clock)
+            self.shards_of[d.key] = prepare_data(cfg, self.clock, d.weights)
         return self.shards_of[d.key]
 
     def run(self, v: Variant, max_steps: int = 0, on_data=None) -> tuple[dict, tuple | None]:

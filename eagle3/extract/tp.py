@@ -78,7 +78,8 @@ def follow(cfg: ExtractConfig) -> int:
         if cmd == STOP:
             return forwards
         if cmd == LOAD:
-            backend = HFBackend(compile=cfg.compile, attention=cfg.attention, tp_plan="auto")
+            backend = HFBackend(compile=cfg.compile, attention=cfg.attention, tp_plan="auto",
+                                experts=cfg.experts_implementation, compile_scope=cfg.compile_scope)
             backend.load(cfg.target.model_path, cfg.target.dtype, cfg.device, cfg.target.capture_layers)
         elif cmd == CAPTURE:
             ids = torch.empty((rows, length), dtype=torch.int64, device=comm)
@@ -99,7 +100,8 @@ def extract_shard_rank(cfg: ExtractConfig, spec: dict) -> dict | None:
         follow(cfg)
         return None
     set_rank_pids(pids)
-    backend = LeaderBackend(compile=cfg.compile, attention=cfg.attention)
+    backend = LeaderBackend(compile=cfg.compile, attention=cfg.attention, experts=cfg.experts_implementation,
+                            compile_scope=cfg.compile_scope)
     out = ShardExtractor(cfg, spec, backend=backend).run()
     backend.stop()  # not on an error: then the followers are stopped by the launcher
     return out
