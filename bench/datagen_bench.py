@@ -109,7 +109,7 @@ def datagen_client(url: str, n: int, conc: int, folder: Path, http_client: str) 
     from eagle3.datagen.client import Endpoint
     from eagle3.datagen.prompts import Prompt
     from eagle3.datagen.run import _generate
-    from eagle3.datagen.spec import ClientConfig, DatasetSpec
+    from eagle3.datagen.config import ClientConfig, DatasetSpec
 
     prompts = [Prompt(f"bench-{i:08x}", i + 1, None, [f"prompt {i}"]) for i in range(n)]
     spec = DatasetSpec(name="bench", prompt_file="-", max_tokens=64)

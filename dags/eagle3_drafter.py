@@ -10,7 +10,7 @@ Every task writes under one run folder,
 `<output_root>/<run_name or run_id>`, so two runs never mix files, and every phase skips the work
 its manifest says is complete: clearing one task (one extraction shard, say) or the whole run
 resumes rather than redoes. docs/operations.md says how to watch a run and backfill one shard.
-The train task produces the Asset `eagle3_drafter` (operators.train.DRAFTER_ASSET): a DAG with
+The train task produces the Asset `eagle3_drafter` (eagle3_airflow.operators.train.DRAFTER_ASSET): a DAG with
 `schedule=[DRAFTER_ASSET]` runs on every new drafter, its export folder in the event's extra.
 """
 

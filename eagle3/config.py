@@ -11,10 +11,10 @@ form is generated from them (`form_params`). `RunConfig.from_params` builds ever
 that reads a shared value holds the shared section itself (ExtractConfig.target, TrainConfig.data), and the run
 folder's paths are filled in (PHASE_PATHS). Preflight then resolves it once (`check_run`: capture layers to
 concrete ints and the model's facts, the datagen server's "auto" values, the run name, the serving engines'
-checks) and hands the resolved configuration to every task as its XCom; each task builds its phase's config from
-its part (`RunConfig.from_dict(...).phase(name)`), so no later phase resolves a default again. What depends on the
-device a task runs on (the compute dtype "auto", compile, padding) is resolved where it runs
-(eagle3.extract.extractor.resolve_for_device).
+checks) and hands the resolved configuration to every task as its XCom; each task gets its phase's part
+(`phase_config(name)`, rendered natively) and builds its config from it (eagle3.knobs.build), so no later phase
+resolves a default again. What depends on the device a task runs on (the compute dtype "auto", compile, padding)
+is resolved where it runs (eagle3.extract.extractor.resolve_for_device). docs/configuration.md walks through it.
 
 Follow max_seq_len: DataConfig declares it (form param max_seq_len); merge caps samples at data.max_seq_len and
 training trains on data.max_seq_len tokens: one value, one home. Torch-free and Airflow-free: the DAG file imports
@@ -25,12 +25,13 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import typing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
 from eagle3.datagen.auto_server import AUTO, check_form_server, resolve_server
-from eagle3.datagen.spec import DATASET_SCHEMA, DatagenConfig, DatasetSpec
+from eagle3.datagen.config import DATASET_SCHEMA, DatagenConfig, DatasetSpec
 from eagle3.errors import ConfigError
 from eagle3.evaluate.config import EvalConfig
 from eagle3.extract.config import ExtractConfig, ShardPlanConfig
@@ -179,28 +180,29 @@ def safe_run_name(run_id: str) -> str:
 
 
 def _form_values(cls, params: Mapping[str, Any]) -> dict[str, Any]:
-    """{field: the form's value} for the knobs of `cls` that are in the trigger form. A form number field may
-    arrive as text ("16") where the knob takes a number or "auto": it is read as the number here, once."""
+    """{field: the form's value} for the knobs of `cls` that are in the trigger form. A form field that takes a
+    number or "auto" may send the number as text ("16"): it is read as the number here, at the form's edge, once."""
+    hints = typing.get_type_hints(cls)
     out = {}
     for f in dataclasses.fields(cls):
         name = f.metadata.get("eagle3_knob", {}).get("param")
         if name:
             value = params[name]
-            out[f.name] = int(value) if isinstance(value, str) and value.strip().isdigit() and f.type in (
-                "str | int", "int | str") else value
+            if isinstance(value, str) and value.strip().isdigit() and int in typing.get_args(hints[f.name]):
+                value = int(value)
+            out[f.name] = value
     return out
 
 
-TRAIN_SET_BY_RUN = ("target", "data", "shard_dirs", "output_dir")  # not from train_overrides
+# set by the run (the target and data sections, the paths, the shards), never by train_overrides
+TRAIN_SET_BY_RUN = ("target", "model_path", "data", "max_seq_len", "shard_dirs", "output_dir")
 
 
 def train_overrides_checked(overrides: Mapping[str, Any]) -> dict[str, Any]:
     fixed = sorted(set(overrides) & set(TRAIN_SET_BY_RUN))
-    if "max_seq_len" in overrides or "model_path" in overrides:
-        fixed += [k for k in ("max_seq_len", "model_path") if k in overrides]
     if fixed:
-        raise ConfigError(f"train_overrides cannot set {sorted(fixed)}: the run sets them (max_seq_len is the "
-                          f"form's max_seq_len, the merge cap; model_path the form's model_path)")
+        raise ConfigError(f"train_overrides cannot set {fixed}: the run sets them (max_seq_len is the form's "
+                          f"max_seq_len, the merge cap; model_path the form's model_path)")
     return dict(overrides)
 
 
@@ -264,11 +266,6 @@ class RunConfig:
         """JSON-able: each section as an object; a phase's object holds the shared sections it reads, so one
         phase's part is all its task needs."""
         return {f.name: dataclasses.asdict(getattr(self, f.name)) for f in dataclasses.fields(self)}
-
-    def phase(self, name: str):
-        if name not in PHASES:
-            raise ConfigError(f"unknown phase {name!r}; phases: {list(PHASES)}")
-        return getattr(self, name)
 
     def with_shared(self, **sections: Any) -> RunConfig:
         """A copy whose phases read the given shared sections (e.g. the resolved target)."""

@@ -5,17 +5,15 @@ its identity, so a copied run resumes instead of failing with "written with othe
 - a model folder: its config.json (hashed) and its weight files (names and sizes: hashing 100s of GB per task
   would cost minutes, and a changed weight file changes its size or its config in practice);
 - a tokenizer: its tokenizer files, hashed (small);
-- a file: its sha256;
-- an extracted shard: the fingerprint and totals its manifest records (what it holds, not where).
+- a file: its sha256.
 A path that does not exist (a model built in memory by tests) is its own identity.
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
-from eagle3.io import MANIFEST_NAME, sha256_file
+from eagle3.io import sha256_file
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
@@ -39,11 +37,3 @@ def tokenizer_identity(path: str | Path) -> dict | str:
 def file_identity(path: str | Path) -> str:
     path = Path(path)
     return sha256_file(path) if path.is_file() else str(path)
-
-
-def shard_identity(shard_dir: str | Path) -> dict | str:
-    try:
-        m = json.loads((Path(shard_dir) / MANIFEST_NAME).read_text())
-    except (OSError, ValueError):
-        return str(shard_dir)
-    return {"fingerprint": m.get("fingerprint"), "chunks": [c.get("sha256") for c in m.get("chunks") or []]}

@@ -229,3 +229,16 @@ def ensure_smollm2(cache_dir: str | os.PathLike | None = None) -> Path:
         if not (out / COMPLETE_MARKER).is_file():
             convert_gguf(find_smollm2_gguf(), out)
     return out
+
+
+def kv_cache_kwarg(model) -> str:
+    """The name a model's forward takes its KV cache by: `cache` in transformers >= 5.2x, where passing
+    `past_key_values` prints a deprecation warning into every successful task's log; `past_key_values` before."""
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def returned_kv_cache(out):
+    """The KV cache a forward returned, under either name (see kv_cache_kwarg)."""
+    return out["cache"] if "cache" in out else out.past_key_values

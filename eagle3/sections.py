@@ -65,10 +65,6 @@ class TargetConfig:
             raise ConfigError(f"target param capture_layers must be a list of ints or 'auto', "
                               f"got {self.capture_layers!r}")
 
-    @property
-    def is_resolved(self) -> bool:
-        return isinstance(self.capture_layers, list) and self.hidden_size is not None
-
     def resolved(self) -> TargetConfig:
         """This section with the capture layers checked against the model (auto = [2, L//2, L-3]) and the model's
         facts read from its config.json: what preflight hands every later task."""

@@ -106,3 +106,33 @@ def deployment_problems(tasks: Iterable[Any]) -> list[str]:
         log.info("Celery queues needed: %s; workers: %s", sorted(queues),
                  {w: [q["name"] for q in qs] for w, qs in active.items()})
     return problems
+
+
+RUN_NOTE_PREFIX = "eagle3 run "
+
+
+def name_the_run(dag_id: str, run_id: str, name: str, folder: str, conn_id: str | None = None) -> str | None:
+    """Set the run's note (what the run page shows beside its id) to the run's name and folder, through the REST
+    API (AirflowApiHook), unless someone wrote another note; what it set, or None (and a warning) when it could not.
+    """
+    from urllib.parse import quote
+
+    from airflow.sdk.exceptions import AirflowNotFoundException
+
+    from eagle3_airflow.hooks import AirflowApiHook
+
+    hook = AirflowApiHook(conn_id or AirflowApiHook.default_conn_name)
+    path = f"/api/v2/dags/{quote(dag_id, safe='')}/dagRuns/{quote(run_id, safe='')}"
+    note = f"{RUN_NOTE_PREFIX}{name}\nfolder: {folder}"
+    try:
+        current = hook.get_json(path).get("note") or ""
+        if current and not current.startswith(RUN_NOTE_PREFIX):
+            return None  # a person's note stays
+        hook.patch_json(path, {"note": note}, update_mask="note")
+        return note
+    except AirflowNotFoundException:
+        log.warning("run note not set: no Connection %r (type airflow_api)", hook.conn_id)
+    except (requests.RequestException, KeyError, ValueError) as e:
+        log.warning("run note not set: the REST API at %s did not answer as expected (%s)", hook.base_url,
+                    f"{type(e).__name__}: {e}"[:300])
+    return None

@@ -232,6 +232,13 @@ class AirflowApiHook(BaseHook):
         r.raise_for_status()
         return r.json()
 
+    def patch_json(self, path: str, body: dict, **params: Any) -> Any:
+        """PATCH {base_url}{path} with a JSON body (e.g. a run's note); the decoded JSON answer."""
+        session = self.get_conn()
+        r = session.patch(f"{self.base_url}{path}", json=body, params=params, timeout=self.timeout_s)
+        r.raise_for_status()
+        return r.json()
+
     def test_connection(self) -> tuple[bool, str]:
         """Log in and read the API's version: (True, what answered) or (False, why not)."""
         try:

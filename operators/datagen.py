@@ -6,7 +6,7 @@ from typing import Any, Mapping, Sequence
 
 from airflow.sdk import Context
 
-from eagle3.datagen.spec import DatagenConfig, DatasetSpec
+from eagle3.datagen.config import DatagenConfig, DatasetSpec
 from eagle3_airflow.operators._render import rendered
 from eagle3_airflow.operators.base import Eagle3Operator
 from eagle3_airflow.hooks import OpenAICompatibleHook

@@ -38,6 +38,12 @@ class PreflightOperator(BaseOperator):
             cfg, notes = check_run(self.run_params, context["run_id"], self.gpu_slots)
             for note in notes:
                 self.log.info("%s", note)
+            from eagle3_airflow.deployment import name_the_run
+
+            # the run page shows the note beside the run id: the name a user gave (or the id's folder name) and
+            # folder
+            name_the_run(self.dag_id, context["run_id"], cfg.run.run_name, cfg.run.dir)
+            self.log.info("run %s: its files go to %s", cfg.run.run_name, cfg.run.dir)
             report = run_preflight(cfg.preflight, cfg.target, cfg.extract.storage_dtype, notes=notes)
         t = cfg.target
         return {

@@ -30,6 +30,7 @@ pytestmark = [pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[1]
 DAG_ID = "eagle3_drafter"
+RUN_NAME = "first-hour"
 ARTIFACTS = Path(os.environ.get("EAGLE3_TEST_ARTIFACTS", ROOT / "artifacts" / "tests")) / "first-hour"
 
 
@@ -139,6 +140,8 @@ def test_first_hour_in_the_browser(standalone):
 
         section("Run")
         assert d.find_element(By.ID, "element_capture_layers").get_attribute("value") == "auto"  # not "[]"
+        el = d.find_element(By.CSS_SELECTOR, "input[name=element_run_name]")
+        el.send_keys(RUN_NAME, Keys.TAB)
         section("Data generation")
         for name in ("server_command", "gguf", "served_model_name"):
             assert d.find_element(By.ID, f"element_{name}").get_attribute("value") == "auto", name
@@ -164,7 +167,8 @@ def test_first_hour_in_the_browser(standalone):
         assert len(runs) == 1, runs
         run_id, conf = runs[0]["dag_run_id"], runs[0]["conf"]
         assert conf["chunk_mb"] == 0.3 and conf["token_budget"] == 256 and conf["num_shards"] == 2, conf
-        run_dir = standalone["work"] / "runs" / run_id.replace(":", "-").replace("+", "-")
+        assert conf["run_name"] == RUN_NAME, conf
+        run_dir = standalone["work"] / "runs" / RUN_NAME
 
         # preflight says what "auto" chose on this machine: llama.cpp on the GGUF, the CPU
         api.wait_task(DAG_ID, run_id, "preflight", -1, states=("success",), timeout=180)
@@ -205,6 +209,32 @@ def test_first_hour_in_the_browser(standalone):
         time.sleep(3)
         d.save_screenshot(str(ARTIFACTS / "04-run-succeeded.png"))
         assert run["state"] == "success", api.task_states(DAG_ID, run_id)
+        # the run's name where the run page shows its identity: the note preflight set
+        assert api.get(f"/api/v2/dags/{DAG_ID}/dagRuns/{run_id}")["note"].startswith(f"eagle3 run {RUN_NAME}")
+        assert wait_for(d, "body", visible_text=f"eagle3 run {RUN_NAME}")
+        # the Drafter tab: the evaluation's tau, read from the page the tab frames
+        wait_for(d, "a, button", visible_text="Drafter").click()
+        frame = wait_for(d, "iframe", timeout=60)
+        d.switch_to.frame(frame)
+        rows = settled(lambda: [r.text for r in d.find_elements(By.CSS_SELECTOR, "#tau tr")], lambda r: len(r) >= 2)
+        assert rows[0].startswith("k tau") and rows[1].split()[0] == "5", rows
+        assert float(rows[1].split()[1]) >= 1.0, rows  # tau: at least the target's own token per forward
+        assert d.find_element(By.ID, "run-name").text == RUN_NAME
+        assert "lossless" in d.find_element(By.ID, "lossless").text
+        assert "--speculative-draft-model-path" in d.find_element(By.ID, "serve-sglang").text
+        d.switch_to.default_content()
+        time.sleep(2)
+        d.save_screenshot(str(ARTIFACTS / "05-drafter-tab.png"))
+        # Browse lists the run by its name
+        d.get(f"{base}/eagle3/")
+        assert wait_for(d, "#runs", visible_text=RUN_NAME)
+        # a committed chunk file deleted: the shard view flags the shard damaged
+        chunk = sorted((run_dir / "extract" / "shard-00000").glob("chunk-*.safetensors"))[-1]
+        chunk.unlink()
+        d.get(f"{base}/eagle3/shards?dag_id={DAG_ID}&run_id={run_id}")
+        row = wait_for(d, "tr[data-shard='0']")
+        assert "damaged" in row.get_attribute("class") and chunk.name in row.text, row.text
+        d.save_screenshot(str(ARTIFACTS / "06-damaged-shard.png"))
     finally:
         d.quit()
 
@@ -217,3 +247,10 @@ def test_first_hour_in_the_browser(standalone):
                   if str(e.get("level", "")).lower() in ("error", "critical")]
               for k, t in tis.items() if t["state"] == "success"}
     assert not {k: v for k, v in errors.items() if v}, errors
+    # the evaluate task prints its progress and result table, and no library deprecation warning
+    ev = [str(e.get("event")) for e in task_log(api, run_id, "evaluate", -1, tis[("evaluate", -1)]["try_number"])]
+    assert any(line.startswith("k=5: tau") for line in ev) and any("tau turn 1" in line for line in ev), ev[-20:]
+    assert not [line for line in ev if "deprecat" in line.lower()], ev
+    # the datagen task log names its server's output file instead of holding it
+    dg = [str(e.get("event")) for e in task_log(api, run_id, "datagen", 0, 1)]
+    assert any("the server's output goes to" in line for line in dg) and len(dg) < 300, len(dg)

@@ -175,3 +175,9 @@ def test_form_paths_confined_to_the_deployment_s_roots(smollm2_path, tmp_path, m
     assert f"param output_root {tmp_path / 'escape' / 'x'} is outside the folders this deployment allows" in msg
     assert "dataset 'A' prompt_file /etc/passwd is outside" in msg and "param eval_prompts" in msg
     assert "param model_path" not in msg
+
+
+def test_exclude_is_optional_in_the_form_and_empty_means_none():
+    """Airflow's form marks a param required unless its type admits null; left empty it arrives as null."""
+    assert "null" in form_params()["exclude"]["schema"]["type"]
+    assert RunConfig.from_params({**with_form_defaults({}), "exclude": None}, "manual__x").merge.exclude == []

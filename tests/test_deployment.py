@@ -9,7 +9,7 @@ import json
 import threading
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from urllib.parse import parse_qs, urlsplit
+from urllib.parse import parse_qs, unquote, urlsplit
 
 import pytest
 
@@ -51,6 +51,7 @@ def test_queue_without_a_worker():
 
 
 POOLS = {"default_pool": 128, "gpu": 8, "cpu": 4}
+NOTES: dict[str, str] = {}  # a run's note by its API path
 
 
 class FakeApi(BaseHTTPRequestHandler):
@@ -77,9 +78,19 @@ class FakeApi(BaseHTTPRequestHandler):
         url = urlsplit(self.path)
         if url.path == "/api/v2/version":
             return self._send(200, {"version": "3.3.2"})
+        if url.path.startswith("/api/v2/dags/"):
+            return self._send(200, {"note": NOTES.get(unquote(url.path))})
         offset = int(parse_qs(url.query)["offset"][0])
         names = sorted(POOLS)[offset:offset + 2]
         self._send(200, {"pools": [{"name": n, "slots": POOLS[n]} for n in names], "total_entries": len(POOLS)})
+
+    def do_PATCH(self):
+        if self.headers.get("Authorization") != "Bearer tok":
+            return self._send(401, {"detail": "Not authenticated"})
+        url = urlsplit(self.path)
+        assert parse_qs(url.query)["update_mask"] == ["note"]
+        NOTES[unquote(url.path)] = json.loads(self.rfile.read(int(self.headers["Content-Length"])))["note"]
+        self._send(200, {"note": NOTES[unquote(url.path)]})
 
     def log_message(self, *args):
         pass
@@ -108,3 +119,20 @@ def test_pools_through_the_api_connection(api, monkeypatch, caplog):
     assert f"the REST API at http://127.0.0.1:{api} did not answer as expected (HTTPError: 401" in caplog.text
     ok, message = AirflowApiHook().test_connection()
     assert not ok and message.startswith("HTTPError: 401"), message
+
+
+def test_preflight_names_the_run_in_its_note_and_keeps_a_persons_note(api, monkeypatch, caplog):
+    from eagle3_airflow.deployment import name_the_run
+
+    monkeypatch.setenv("AIRFLOW_CONN_EAGLE3_AIRFLOW_API", json.dumps(
+        {"conn_type": "airflow_api", "host": f"http://127.0.0.1:{api}", "login": "admin", "password": "pw"}))
+    run_id = "manual__2026-12-04T21:38:51+00:00"
+    note = name_the_run("eagle3_drafter", run_id, "exp1", "/runs/exp1")
+    assert note == "eagle3 run exp1\nfolder: /runs/exp1"
+    assert NOTES["/api/v2/dags/eagle3_drafter/dagRuns/manual__2026-12-04T21:38:51+00:00"] == note
+    assert name_the_run("eagle3_drafter", run_id, "exp2", "/runs/exp2").startswith("eagle3 run exp2")  # ours: renamed
+    NOTES["/api/v2/dags/eagle3_drafter/dagRuns/manual__2026-12-04T21:38:51+00:00"] = "a person's note"
+    assert name_the_run("eagle3_drafter", run_id, "exp3", "/runs/exp3") is None
+    assert NOTES["/api/v2/dags/eagle3_drafter/dagRuns/manual__2026-12-04T21:38:51+00:00"] == "a person's note"
+    monkeypatch.delenv("AIRFLOW_CONN_EAGLE3_AIRFLOW_API")
+    assert name_the_run("eagle3_drafter", run_id, "x", "/x") is None and "run note not set" in caplog.text

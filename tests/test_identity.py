@@ -37,7 +37,7 @@ def test_a_model_folder_copied_elsewhere_is_the_same_model_and_another_config_is
 
 def test_datagen_run_fingerprint_holds_the_tokenizer_not_its_path(tmp_path, smollm2_path):
     from eagle3.datagen.run import run_fingerprint
-    from eagle3.datagen.spec import ClientConfig, DatasetSpec
+    from eagle3.datagen.config import ClientConfig, DatasetSpec
 
     copy = tmp_path / "tok"
     copy.mkdir()

@@ -150,6 +150,31 @@ def test_no_truncation_by_default_and_a_finished_run_is_skipped(tiny, caplog):
     assert not (tiny / "train" / "metrics.jsonl").exists()
 
 
+def test_a_finished_run_says_why_it_skips_and_trains_again_on_other_chunks(tiny, caplog):
+    """Clearing a finished shard re-extracts it: chunks that hash the same need no training (the log says so);
+    chunks with other contents train again, from scratch."""
+    import shutil
+
+    from eagle3.train.run import train_phase
+
+    caplog.set_level(logging.INFO, logger="eagle3.train.run")
+    cfg = tiny_config(tiny)
+    first = train_phase(cfg)
+    assert first["chunks"] == 1
+    caplog.clear()
+    assert train_phase(cfg) == first
+    skipped = [r.getMessage() for r in caplog.records if "skipping" in r.getMessage()]
+    assert len(skipped) == 1 and "the 1 chunks of the 1 shards hash the same as those it trained on" in skipped[0]
+    # the shard extracted again with other contents (another seed's states): training runs again
+    shutil.rmtree(tiny / "shard")
+    write_tiny_shard(tiny / "shard", SAMPLE_LENGTHS[::-1])
+    caplog.clear()
+    second = train_phase(cfg)
+    assert second["data_fingerprint"] != first["data_fingerprint"] and second["steps"] == 3
+    assert any("differ from those the drafter" in r.getMessage() for r in caplog.records)
+    assert not any("skipping" in r.getMessage() for r in caplog.records)
+
+
 def test_checkpoints_resume_position_and_refuse_other_params(tiny):
     from eagle3.train.checkpoint import Checkpoints, Position
     from eagle3.train.trainer import read_metrics, train
@@ -171,6 +196,6 @@ def test_checkpoints_resume_position_and_refuse_other_params(tiny):
                                           saved["model"]["lm_head.weight"].shape[0], VOCAB))
     opt = torch.optim.AdamW(drafter.parameters())
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
-    assert ck.restore(drafter, opt, sched, out / "metrics.jsonl") == Position(step=2, epoch=saved["epoch"],
-                                                                            batch_pos=saved["batch_pos"])
+    assert ck.restore(drafter, opt, sched, [out / "metrics.jsonl"]) == (
+        Position(step=2, epoch=saved["epoch"], batch_pos=saved["batch_pos"]), None)
     assert [r["step"] for r in read_metrics(out / "metrics.jsonl")] == [1, 2]

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tiny_targets import CAPTURE, build_tiny_target
+from tests.support.tiny_targets import CAPTURE, build_tiny_target
 from tests.support.configs import phase
 
 STEPS = 20

@@ -24,8 +24,8 @@ from urllib.parse import urlsplit, urlunsplit
 import openai
 
 from eagle3.datagen.prompts import Prompt
+from eagle3.datagen.config import ClientConfig, DatasetSpec
 from eagle3.datagen.redact import redact, redact_secrets, redacting_logger, register_secret
-from eagle3.datagen.spec import ClientConfig, DatasetSpec
 
 log = redacting_logger(__name__)
 # one INFO line per HTTP request drowns the progress lines at 2000 in flight

@@ -8,7 +8,7 @@ Folder `<out>/<dataset>/`:
   too_long.jsonl       prompts the endpoint rejected as longer than its context: bad input lines, recorded
                        once and never sent again (delete the file to re-send them, e.g. after raising the
                        server's context length)
-  tokenized.jsonl      {"sample_id", "dataset", "input_ids", "loss_mask"} in prompt-file order (merge input)
+  tokenized.jsonl      the merge's input (eagle3.datagen.contract), in prompt-file order
   report.json          counts, drops by reason, tokens, wall, rates, cost
   manifest.json        written last (io.PhaseOutput): {"complete": true, fingerprint, rows, sha256...}
 
@@ -31,10 +31,11 @@ from typing import Callable, ContextManager, Iterator
 from eagle3.datagen.auto_server import resolved_config
 from eagle3.datagen.client import (AUTH_STATUS, Endpoint, RunStats, SampleFailed, cost_usd, generate_all, make_client,
                                    reason_label, reason_retried)
+from eagle3.datagen.contract import TOKENIZED, tokenized_line
 from eagle3.datagen.prompts import MAX_REPORTED_BAD_LINES, Prompt, read_prompts
 from eagle3.datagen.redact import redact, redacting_logger, register_secret
 from eagle3.datagen.server import DEFAULT_SERVER_COMMAND, LocalServer
-from eagle3.datagen.spec import ClientConfig, DatagenConfig, DatasetSpec
+from eagle3.datagen.config import ClientConfig, DatagenConfig, DatasetSpec
 from eagle3.datagen.store import AppendWriter, iter_records, repair_tail, scan_and_repair
 from eagle3.datagen.tokenize import MaskMismatch, tokenize_conversation
 from eagle3.errors import ConfigError, PipelineError
@@ -48,7 +49,6 @@ GENERATIONS = "generations.jsonl"
 GENERATIONS_META = "generations.meta.json"
 ERRORS = "errors.jsonl"
 TOO_LONG = "too_long.jsonl"
-TOKENIZED = "tokenized.jsonl"
 REPORT = "report.json"
 DROP_REASONS = ("empty", "refused", "truncated", "mask_mismatch")
 # what an endpoint's answers depend on: files made with other sampling params are set aside together
@@ -151,8 +151,7 @@ def tokenize_dataset(folder: Path, prompts: list[Prompt], spec: DatasetSpec, tok
                 if len(dropped_examples[reason]) < 5:
                     dropped_examples[reason].append(p.sample_id)
                 continue
-            out.write(json.dumps({"sample_id": p.sample_id, "dataset": spec.name,
-                                  "input_ids": tok.input_ids, "loss_mask": tok.loss_mask}) + "\n")
+            out.write(tokenized_line(p.sample_id, spec.name, tok.input_ids, tok.loss_mask))
             rows += 1
             tokens += len(tok.input_ids)
             loss_tokens += sum(tok.loss_mask)
@@ -337,12 +336,17 @@ async def _generate(todo: list[Prompt], spec: DatasetSpec, cfg: ClientConfig, en
             await client.close()
 
 
+SERVER_LOG = "server.log"  # the local server's output, beside the dataset's files
+
+
 @contextlib.contextmanager
-def local_server_endpoint(cfg: DatagenConfig, api_key: str) -> Iterator[Endpoint]:
-    """The task's own server for the duration of the generation: started, awaited, always stopped."""
+def local_server_endpoint(cfg: DatagenConfig, api_key: str, log_file: Path | None = None) -> Iterator[Endpoint]:
+    """The task's own server for the duration of the generation: started, awaited, always stopped. Its output
+    goes to `log_file` (the task log names it: a server prints thousands of lines the task log would bury)."""
     server = LocalServer(cfg.server_command or DEFAULT_SERVER_COMMAND, cfg.server_extra_args,
                          model_path=cfg.target.model_path, gguf=cfg.gguf or "", port=cfg.server_port,
-                         ready_timeout_s=cfg.server_ready_timeout_s)
+                         ready_timeout_s=cfg.server_ready_timeout_s,
+                         log_file=None if log_file is None else str(log_file))
     with server:  # stops the server on success, failure and Airflow's SIGTERM on task kill
         yield Endpoint(server.base_url, api_key)
 
@@ -358,5 +362,6 @@ def run_datagen(spec: DatasetSpec, cfg: DatagenConfig, *, base_url: str | None =
             raise ConfigError(f"datagen: mode 'remote' needs the endpoint's base URL (from conn_id {cfg.conn_id!r})")
         source: Endpoint | EndpointSource = Endpoint(base_url, api_key)
     else:
-        source = functools.partial(local_server_endpoint, cfg, api_key)
+        source = functools.partial(local_server_endpoint, cfg, api_key,
+                                   Path(cfg.output_dir) / spec.name / SERVER_LOG)
     return run_dataset(spec, cfg.client_config(), source, cfg.target.model_path, cfg.output_dir, tokenizer)

@@ -22,6 +22,7 @@ import urllib.error
 import urllib.request
 from collections import deque
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from eagle3.datagen.redact import redact, redacting_logger
 from eagle3.errors import ConfigError, PipelineError
@@ -63,6 +64,7 @@ class LocalServer:
     ready_timeout_s: float = 900.0
     stop_timeout_s: float = 20.0
     env: dict | None = None
+    log_file: str | None = None  # the server's output goes here (appended), else into this process's log
     proc: subprocess.Popen | None = field(default=None, init=False)
     tail: deque = field(default_factory=lambda: deque(maxlen=50), init=False)
 
@@ -83,15 +85,27 @@ class LocalServer:
         except OSError as e:
             raise PipelineError(f"server_command {argv[0]!r} could not start: {e}") from e
         log.info("local server pid %d (process group %d) on port %d", self.proc.pid, self.proc.pid, self.port)
+        if self.log_file:
+            Path(self.log_file).parent.mkdir(parents=True, exist_ok=True)
+            log.info("the server's output goes to %s (its last lines are shown here if it fails)", self.log_file)
         threading.Thread(target=self._pump_output, name="server-log", daemon=True).start()
         return self
 
     def _pump_output(self) -> None:
         # keep reading, or a chatty server blocks on a full pipe
-        for raw in iter(self.proc.stdout.readline, b""):
-            line = redact(raw.decode(errors="replace").rstrip())  # servers print their args, an API key too
-            self.tail.append(line)
-            log.info("[server] %s", line)
+        out = open(self.log_file, "a", encoding="utf-8") if self.log_file else None
+        try:
+            for raw in iter(self.proc.stdout.readline, b""):
+                line = redact(raw.decode(errors="replace").rstrip())  # servers print their args, an API key too
+                self.tail.append(line)
+                if out is None:
+                    log.info("[server] %s", line)
+                else:
+                    out.write(line + "\n")
+                    out.flush()
+        finally:
+            if out is not None:
+                out.close()
 
     def wait_ready(self) -> None:
         deadline = time.monotonic() + self.ready_timeout_s

@@ -18,6 +18,7 @@ answers that hit max_new_tokens, and the same per turn and per category.
 from __future__ import annotations
 
 import importlib
+import logging
 import time
 from collections import defaultdict
 from dataclasses import dataclass
@@ -26,6 +27,8 @@ from pathlib import Path
 from eagle3.errors import ConfigError
 from eagle3.evaluate.speculative import Answer, SpecStats, tau_breakdown, tau_of
 from eagle3.io import BadJSONLine, json_line, not_a_file
+
+log = logging.getLogger(__name__)
 
 MTBENCH = "mtbench"  # EvalConfig.prompts_file value: MT-bench's 80 questions from the public-data extra
 
@@ -179,14 +182,19 @@ def evaluate_conversations(decoder, tokenizer, convs: list[EvalConversation], ma
     Returns {"by_k": {str(k): answers_report}, "turns": the TurnPrompts, "mismatches", timings}."""
     t0 = time.time()
     if turns is None:
+        log.info("greedy answers (the reference) to %d conversations, at most %d new tokens each ...", len(convs),
+                 max_new_tokens)
         turns = build_turn_prompts(tokenizer, decoder, convs, max_new_tokens)
     seconds = {"greedy": round(time.time() - t0, 2)}
+    log.info("%d answers in %.0f s; speculative decoding at k = %s ...", len(turns), seconds["greedy"], list(ks))
     by_k = {}
     for k in ks:
         t1 = time.time()
         answers = decoder.speculate([t.ids for t in turns], max_new_tokens, k)
         seconds[f"k{k}"] = round(time.time() - t1, 2)
         by_k[str(k)] = answers_report(turns, answers, k, max_new_tokens, tokenizer.eos_token_id, check_greedy)
+        log.info("k=%d: tau %.2f over %d answers in %.0f s", k, by_k[str(k)]["tau"] or 0.0, len(turns),
+                 seconds[f"k{k}"])
     mismatches = [m for r in by_k.values() for m in r["mismatches"]]
     return {"conversations": len(convs), "answers": len(turns), "max_new_tokens": max_new_tokens, "ks": list(ks),
             "by_k": by_k, "turns": turns, "identical_to_greedy": not mismatches if check_greedy else None,

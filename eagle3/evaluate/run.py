@@ -129,6 +129,8 @@ def evaluate_phase(cfg: EvalConfig) -> dict:
     record = PhaseOutput(out, fingerprint({**params, "export_sha256": sha256_file(Path(cfg.export_dir) /
                                                                                    WEIGHTS_FILE)}), REPORT)
     if (done := record.completed()) is not None:
+        log.info("evaluation already complete in %s for this export (same weights' sha256) and these params: "
+                 "skipping\n%s", out, results_text(done))
         return done
     record.invalidate()
     convs = load_conversations(cfg)  # a bad prompt file fails before the models load
@@ -154,4 +156,16 @@ def evaluate_phase(cfg: EvalConfig) -> dict:
         raise PipelineError(f"speculative output differs from greedy decoding (not lossless) on "
                             f"{len(trained['mismatches'])} of {len(turns) * len(cfg.ks)} answers: "
                             f"{trained['mismatches'][:5]}; report: {out / 'report.failed.json'}")
-    return record.commit(report)
+    done = record.commit(report)
+    log.info("evaluation of %s on %d answers:\n%s", cfg.export_dir, len(turns), results_text(done))
+    return done
+
+
+def results_text(report: dict) -> str:
+    """The report's tables as text, for the task log (the run page's Drafter tab shows the same)."""
+    from eagle3.results import evaluation_table, lossless_text, text_table
+
+    tables = evaluation_table(report)
+    lossless = lossless_text(report.get("identical_to_greedy"))
+    return "\n\n".join(t for t in (text_table(tables["by_k"]), text_table(tables["by_category"]),
+                                     f"speculative output: {lossless}") if t)

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 
 from eagle3.errors import PipelineError
+from eagle3.models import kv_cache_kwarg
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +65,7 @@ class BatchedSpeculativeDecoder:
         self.embed = target.get_input_embeddings()
         self.device = target.device
         self.d2t = vocab.d2t.to(self.device)
+        self.cache_kwarg = kv_cache_kwarg(target)
         self.batch_size, self.tie_tol = batch_size, tie_tol
         self.packs = 0  # times the caches were packed (a test checks the path runs)
         if target.config.hidden_size != drafter.cfg.hidden_size:
@@ -73,7 +75,7 @@ class BatchedSpeculativeDecoder:
     # ------------------------------------------------------------------ one forward of each model
 
     def _target(self, ids, attn_mask, positions, cache, logits_to_keep: int = 0):
-        out = self.target(input_ids=ids, attention_mask=attn_mask, position_ids=positions, past_key_values=cache,
+        out = self.target(input_ids=ids, attention_mask=attn_mask, position_ids=positions, **{self.cache_kwarg: cache},
                           use_cache=True, output_hidden_states=True, logits_to_keep=logits_to_keep)
         aux = torch.cat([out.hidden_states[i] for i in self.capture_layers], -1).float()
         return out.logits.argmax(-1), aux

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from eagle3.errors import PipelineError
+from eagle3.models import kv_cache_kwarg, returned_kv_cache
 from eagle3.train.model import Eagle3Drafter, crop_cache
 from eagle3.train.vocab import DraftVocab
 
@@ -66,15 +67,16 @@ class SpeculativeDecoder:
         self.capture_layers, self.eos_id = list(capture_layers), eos_id
         self.embed = target.get_input_embeddings()
         self.d2t = vocab.d2t
+        self.cache_kwarg = kv_cache_kwarg(target)
         hs = drafter.cfg.hidden_size
         if target.config.hidden_size != hs:
             raise PipelineError(f"drafter hidden_size {hs} != target hidden_size {target.config.hidden_size}")
 
     def _target(self, ids: list[int], cache):
         x = torch.tensor([ids], dtype=torch.long, device=self.target.device)
-        out = self.target(input_ids=x, past_key_values=cache, use_cache=True, output_hidden_states=True)
+        out = self.target(input_ids=x, **{self.cache_kwarg: cache}, use_cache=True, output_hidden_states=True)
         aux = torch.cat([out.hidden_states[i][0] for i in self.capture_layers], -1).float()
-        return out.logits[0].argmax(-1).tolist(), aux, out.past_key_values
+        return out.logits[0].argmax(-1).tolist(), aux, returned_kv_cache(out)
 
     def _draft(self, tokens: list[int], hidden, start: int, cache: dict, fuse: bool):
         emb = self.embed(torch.tensor([tokens], device=self.target.device)).float()

@@ -25,7 +25,13 @@ FP8 = "float8_e4m3fn"  # optional storage: e4m3 values with one fp32 scale per t
 STORAGE_DTYPE_CHOICES = (*DTYPE_CHOICES, FP8)
 BACKEND_CHOICES = ("hf", "fused-llama")
 ATTENTION_CHOICES = ("auto", "flash", "cudnn", "efficient", "math")
-STATE_PARAMS = ("model_path", "capture_layers", "dtype", "storage_dtype", "backend", "attention")
+# (the choices are eagle3.extract.moe's, repeated here to keep this module torch-free; a test holds them equal)
+EXPERTS_CHOICES = ("auto", "eager", "batched_mm", "grouped_mm")
+COMPILE_SCOPES = ("auto", "layers", "moe-blocks")
+STATE_PARAMS = ("model_path", "capture_layers", "dtype", "storage_dtype", "backend", "attention",
+                "experts_implementation")
+# state params added after shards were extracted without them: what those shards ran with
+ADDED_STATE_PARAMS = {"experts_implementation": "auto"}
 PLAN_PARAMS = ("token_budget", "chunk_mb", "pad_multiple")
 
 
@@ -43,7 +49,9 @@ class ExtractConfig:
     token_budget: int = knob(16384, min=256, param="token_budget", section=SECTION,
                              help="Padded tokens per forward pass; lower it after an out-of-memory error.")
     chunk_mb: float = knob(1024, gt=0, param="chunk_mb", section=SECTION,
-                           help="Target size of a chunk file in MiB (the unit of commit and resume).")
+                           help="Target size of a chunk file in MiB (the unit of commit and resume). A chunk holds "
+                                "whole batches: below one batch's states (token_budget tokens), each batch is "
+                                "still one chunk.")
     # GPU runs pin up to writer_threads + 1 chunk buffers of chunk_mb each (made on demand: HostBufferPool);
     # 6 was best of 3/6 on the H200's disk (docs/benchmarks.md)
     writer_threads: int = knob(6, min=1, max=64, help="Chunks written at once (while one fsyncs, others write).")
@@ -57,6 +65,17 @@ class ExtractConfig:
                         help="hf: HF transformers modules; fused-llama: fused q/k/v and gate/up GEMMs (Llama family).")
     attention: str = knob("auto", choices=ATTENTION_CHOICES, param="extract_attention", section=SECTION,
                           help="SDPA kernel of the forward: auto (torch picks), flash, cudnn, efficient, math.")
+    # MoE targets only (eagle3.extract.moe.CLASS_DEFAULTS: auto = the default of the target's class)
+    experts_implementation: str = knob(
+        "auto", choices=EXPERTS_CHOICES, param="extract_experts_implementation", section=SECTION,
+        help="MoE targets: transformers' experts kernel (eager, batched_mm, grouped_mm); auto = the measured "
+             "default of the target's class.")
+    compile_scope: str = knob("auto", choices=COMPILE_SCOPES,
+                              help="What is compiled: layers (each decoder layer), moe-blocks (only the MoE "
+                                   "blocks); auto = the default of the target's class.")
+    compile_cache_dir: str = knob("auto", help="torch's compile caches, shared by the shard tasks of a worker: auto "
+                                               "= $EAGLE3_COMPILE_CACHE or ~/.cache/eagle3/compile/<host>; off = "
+                                               "torch's default; else a folder (eagle3.extract.compile_cache).")
     # cuDNN attention builds a host-side plan per new (rows, length), ~40-60 ms on the H200, which at the 135M
     # shape made a run over new shapes 2.8x slower than over known ones (docs/benchmarks.md, run 9)
     # tp_size is the target's (TargetConfig.tp_size): rank 0 alone captures and writes (the residual stream is

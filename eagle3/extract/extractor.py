@@ -28,9 +28,11 @@ import torch
 
 from eagle3.errors import ConfigError, PipelineError
 from eagle3.extract.backend import DTYPES, ExtractionBackend, HFBackend, check_attention
+from eagle3.extract.compile_cache import use_compile_cache
 from eagle3.extract.batches import PlanSegment, padded_length, plan_segments, real_token_index
-from eagle3.extract.config import FP8, ExtractConfig
-from eagle3.extract.format import CorruptChunkError, ShardManifest, bytes_per_token, load_chunk
+from eagle3.extract.config import ADDED_STATE_PARAMS, FP8, ExtractConfig
+from eagle3.extract.format import CorruptChunkError, ShardManifest, load_chunk
+from eagle3.fit import bytes_per_token
 from eagle3.extract.fused_llama import FusedLlamaBackend
 from eagle3.extract.pipeline import ChunkPipeline, HostBufferPool, StateBuffers, store_states
 from eagle3.extract.plan import ShardData, ShardSpec, load_shard_data
@@ -213,6 +215,7 @@ class ShardExtractor:
         if not isinstance(old, dict):
             raise ConfigError(f"{path}: {len(m.chunks)} chunks were committed by an older version that recorded "
                               f"no state params; delete {self.shard_dir} to extract the shard again")
+        old = {**ADDED_STATE_PARAMS, **old}
         for name, new in self.states.items():
             if old.get(name) != new:
                 raise ConfigError(
@@ -316,9 +319,13 @@ class ShardExtractor:
         return self._summary(m, time.perf_counter() - t0, 0, True, len(m.chunks))
 
     def _load_backend(self) -> ExtractionBackend:
+        if self.cfg.compile:
+            log.info("shard %d: compile cache %s", self.spec.shard, use_compile_cache(self.cfg.compile_cache_dir))
         if self.backend is None:
+            moe_options = ({"experts": self.cfg.experts_implementation, "compile_scope": self.cfg.compile_scope}
+                           if self.cfg.backend == "hf" else {})
             self.backend = BACKENDS[self.cfg.backend](info=self.info, compile=self.cfg.compile,
-                                                      attention=self.cfg.attention)
+                                                      attention=self.cfg.attention, **moe_options)
         self.backend.load(self.cfg.target.model_path, self.cfg.target.dtype, self.cfg.device, self.cfg.target.capture_layers)
         return self.backend
 

@@ -4,6 +4,9 @@ The manifests are the source of truth (see eagle3.extract.format): a shard is
   complete     - its manifest says complete=true,
   in progress  - it has a manifest (or chunk files) but is not complete,
   not started  - it is planned (a shard folder, or an index below the expected count) with nothing committed,
+  damaged      - a committed chunk file is missing or has another size than its manifest records (checked with
+                 one stat per chunk, no hashing: cheap enough for a page that refreshes); clearing the shard's task
+                 re-extracts what is missing,
   failed       - not complete, and its last attempt failed: last_error.json in its folder (written by the
                  extraction on failure with the error's first line and the try number, removed when an
                  attempt starts), or its Airflow task failed (a killed worker writes nothing).
@@ -25,8 +28,8 @@ from typing import Any
 from eagle3.io import MANIFEST_NAME, atomic_write_json
 
 SHARD_DIR_RE = re.compile(r"^shard-(\d+)$")
-COMPLETE, IN_PROGRESS, NOT_STARTED, FAILED = "complete", "in progress", "not started", "failed"
-STATES = (COMPLETE, IN_PROGRESS, NOT_STARTED, FAILED)
+COMPLETE, IN_PROGRESS, NOT_STARTED, FAILED, DAMAGED = "complete", "in progress", "not started", "failed", "damaged"
+STATES = (COMPLETE, IN_PROGRESS, NOT_STARTED, FAILED, DAMAGED)
 FAILURE_NAME = "last_error.json"
 # Airflow task states of a shard task whose last try failed (strings: no Airflow import here)
 TASK_FAILED_STATES = ("failed", "up_for_retry", "upstream_failed")
@@ -156,6 +159,9 @@ def _read_manifest(shard: int, shard_dir: Path) -> ShardStatus:
     status.samples = sum(int(c.get("samples") or 0) for c in chunks)
     status.bytes_written = sum(int(c.get("bytes") or 0) for c in chunks)
     status.state = COMPLETE if d.get("complete") is True else (IN_PROGRESS if chunks else NOT_STARTED)
+    damage = chunk_damage(shard_dir, chunks)
+    if damage:
+        status.state, status.error = DAMAGED, damage
     started = _parse_time(params.get("started_at"))
     updated = _parse_time(params.get("updated_at"))
     if updated is None and chunks:
@@ -169,6 +175,27 @@ def _read_manifest(shard: int, shard_dir: Path) -> ShardStatus:
     if status.state == NOT_STARTED and started is not None:
         status.state = IN_PROGRESS  # the task has begun (it stamped started_at) but has no chunk yet
     return status
+
+
+def chunk_damage(shard_dir: Path, chunks: list[dict]) -> str | None:
+    """What is wrong with the committed chunk files (missing, or another size than recorded), or None."""
+    missing, resized = [], []
+    for c in chunks:
+        name = str(c.get("file") or "")
+        try:
+            size = (shard_dir / name).stat().st_size if name else None
+        except OSError:
+            size = None
+        if size is None:
+            missing.append(name or "?")
+        elif c.get("bytes") is not None and size != int(c["bytes"]):
+            resized.append(f"{name} ({size:,} bytes, manifest {int(c['bytes']):,})")
+    if not (missing or resized):
+        return None
+    parts = ([f"{len(missing)} committed chunk file(s) missing: {', '.join(missing[:3])}"
+              + (" ..." if len(missing) > 3 else "")] if missing else []) + (
+             [f"{len(resized)} of another size: {', '.join(resized[:3])}"] if resized else [])
+    return "; ".join(parts) + " (clear the shard's task to re-extract)"
 
 
 def run_progress(run_dir: str | Path, expected_shards: int | None = None,

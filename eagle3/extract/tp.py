@@ -1,6 +1,7 @@
 """Tensor-parallel extraction of one shard: tp_size ranks (eagle3.launch), transformers' tp_plan="auto".
 
-    eagle3.extract.run.extract_shard(ExtractConfig(..., tp_size=3), spec)   # dispatches here when tp_size > 1
+    eagle3.extract.run.extract_shard(ExtractConfig(target=TargetConfig(..., tp_size=3).resolved(), ...), spec)
+    # dispatches here when target.tp_size > 1
 
 Each rank loads its slice of the target (`from_pretrained(..., tp_plan="auto")`: attention heads, kv heads and
 MLP columns/rows split, experts spread; one all-reduce per attention and MLP block). After each all-reduce the
@@ -77,7 +78,8 @@ def follow(cfg: ExtractConfig) -> int:
         if cmd == STOP:
             return forwards
         if cmd == LOAD:
-            backend = HFBackend(compile=cfg.compile, attention=cfg.attention, tp_plan="auto")
+            backend = HFBackend(compile=cfg.compile, attention=cfg.attention, tp_plan="auto",
+                                experts=cfg.experts_implementation, compile_scope=cfg.compile_scope)
             backend.load(cfg.target.model_path, cfg.target.dtype, cfg.device, cfg.target.capture_layers)
         elif cmd == CAPTURE:
             ids = torch.empty((rows, length), dtype=torch.int64, device=comm)
@@ -97,7 +99,8 @@ def extract_shard_rank(cfg: ExtractConfig, spec: dict) -> dict | None:
         follow(cfg)
         return None
     set_rank_pids(pids)
-    backend = LeaderBackend(compile=cfg.compile, attention=cfg.attention)
+    backend = LeaderBackend(compile=cfg.compile, attention=cfg.attention, experts=cfg.experts_implementation,
+                            compile_scope=cfg.compile_scope)
     out = ShardExtractor(cfg, spec, backend=backend).run()
     backend.stop()  # not on an error: then the followers are stopped by the launcher
     return out

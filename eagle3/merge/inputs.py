@@ -1,4 +1,4 @@
-"""Find the datasets to merge: dataset folders holding tokenized.jsonl (the datagen output, contract 1)."""
+"""Find the datasets to merge: dataset folders holding tokenized.jsonl (the datagen output: eagle3.datagen.contract)."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from eagle3.errors import ConfigError
+from eagle3.datagen.contract import TOKENIZED
 from eagle3.io import MANIFEST_NAME
 
-TOKENIZED_NAME = "tokenized.jsonl"
 
 
 @dataclass(frozen=True)
@@ -41,7 +41,7 @@ def _datagen_complete(folder: Path) -> bool:
 
 
 def _describe(folder: Path) -> DatasetInput:
-    f = folder / TOKENIZED_NAME
+    f = folder / TOKENIZED
     st = f.stat()
     return DatasetInput(folder.name, f, st.st_size, st.st_mtime_ns, _datagen_complete(folder))
 
@@ -53,16 +53,16 @@ def discover_datasets(inputs: list[str], include: list[str] | None = None,
     found: dict[str, DatasetInput] = {}
     for raw in inputs:
         p = Path(raw)
-        if p.is_file() and p.name == TOKENIZED_NAME:
+        if p.is_file() and p.name == TOKENIZED:
             p = p.parent
         if not p.is_dir():
             raise ConfigError(f"inputs: {raw} is not a folder")
-        if (p / TOKENIZED_NAME).is_file():
+        if (p / TOKENIZED).is_file():
             folders = [p]
         else:
-            folders = sorted(c for c in p.iterdir() if c.is_dir() and (c / TOKENIZED_NAME).is_file())
+            folders = sorted(c for c in p.iterdir() if c.is_dir() and (c / TOKENIZED).is_file())
             if not folders:
-                raise ConfigError(f"inputs: {raw} holds no {TOKENIZED_NAME} and no dataset folders with one")
+                raise ConfigError(f"inputs: {raw} holds no {TOKENIZED} and no dataset folders with one")
         for folder in folders:
             ds = _describe(folder)
             prev = found.get(ds.name)

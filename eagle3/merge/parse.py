@@ -16,9 +16,9 @@ from typing import Iterator
 import pyarrow as pa
 import pyarrow.json as pajson
 
+from eagle3.datagen.contract import FIELDS
 from eagle3.io import BadJSONLine, json_line
 
-FIELDS = ("sample_id", "dataset", "input_ids", "loss_mask")
 # Parsed straight into the output types: an id beyond int32 or a mask value beyond int8 fails the fast
 # path and is then named by the line-by-line path.
 JSON_SCHEMA = pa.schema([("sample_id", pa.string()), ("dataset", pa.string()),

@@ -9,7 +9,7 @@ import numpy as np
 
 from eagle3.errors import PipelineError
 from eagle3.merge.parse import BadLine
-from eagle3.extract.format import bytes_per_token
+from eagle3.fit import bytes_per_token
 from eagle3.sections import TargetConfig
 
 # Length histogram bin edges: 0, 64, 128, ..., 2^20 tokens, then everything longer.

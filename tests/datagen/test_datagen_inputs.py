@@ -11,7 +11,7 @@ from dg_helpers import write_jsonl
 from eagle3.datagen.client import backoff_delay
 from eagle3.datagen.prompts import read_prompts, sample_id
 from eagle3.datagen.server import build_command
-from eagle3.datagen.spec import ClientConfig, DatasetSpec
+from eagle3.datagen.config import ClientConfig, DatasetSpec
 from eagle3.datagen.store import AppendWriter, repair_tail, scan_and_repair
 from eagle3.errors import ConfigError
 
@@ -183,7 +183,7 @@ def test_repair_tail_of_an_append_only_file(tmp_path):
 
 
 def test_datagen_config_checks_and_form_params():
-    from eagle3.datagen.spec import DatagenConfig
+    from eagle3.datagen.config import DatagenConfig
     from eagle3.knobs import build, form_params
 
     base = {"output_dir": "/o", "target": {"model_path": "/m"}}

@@ -6,6 +6,7 @@ Faults are injected by a proxy between client and server; the server behind it s
 from __future__ import annotations
 
 import json
+import logging
 import signal
 import subprocess
 import sys
@@ -193,6 +194,22 @@ def test_local_server_lifecycle(smollm2_gguf, tmp_path):
     with pytest.raises(PipelineError, match=r"(?s)exited with code 3 before it was ready.*boom on port \d+"):
         with bad:
             pass
+
+
+def test_local_server_output_goes_to_its_own_file_named_in_the_log(tmp_path, caplog):
+    """A server prints thousands of lines: they go to their own file, the task log names it; a failure still shows
+    the last lines."""
+    caplog.set_level(logging.INFO, logger="eagle3.datagen.server")
+    chatty = (f"{sys.executable} -c \"import sys; [print('load line', i) for i in range(2000)]; "
+              f"print('last'); sys.exit(3)\"")
+    log_file = tmp_path / "A" / "server.log"
+    with pytest.raises(PipelineError, match=r"(?s)exited with code 3.*load line 1999"):
+        with LocalServer(chatty, ready_timeout_s=30, log_file=str(log_file)):
+            pass
+    lines = log_file.read_text().splitlines()
+    assert len(lines) == 2001 and lines[0] == "load line 0"
+    assert f"the server's output goes to {log_file}" in caplog.text
+    assert "load line 5" not in caplog.text  # (the command line itself is logged)
 
 
 def test_local_server_dies_with_a_sigkilled_task(smollm2_path, smollm2_gguf, tmp_path):

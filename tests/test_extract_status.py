@@ -4,7 +4,7 @@ import torch
 
 from eagle3.extract.format import ShardManifest, write_chunk
 from eagle3.config import run_dir
-from eagle3.extract.status import (COMPLETE, FAILED, IN_PROGRESS, NOT_STARTED, clear_failure, human_bytes, record_failure,
+from eagle3.extract.status import (COMPLETE, DAMAGED, FAILED, IN_PROGRESS, NOT_STARTED, clear_failure, human_bytes, record_failure,
                             run_progress)
 
 
@@ -96,6 +96,25 @@ def test_unreadable_and_odd_manifests_do_not_raise(tmp_path):
     assert run_progress(tmp_path / "missing").shards == []
 
 
+def test_a_committed_chunk_missing_or_resized_shows_the_shard_damaged(tmp_path):
+    """The manifest says complete, but a chunk file was deleted or cut: the view says so (one stat per chunk)."""
+    d = tmp_path / "run" / "extract" / "shard-00000"
+    m = ShardManifest(shard=0, model_path="m", capture_layers=[1, 2, 3], hidden_size=2, dtype="bfloat16")
+    m.chunks += [write_chunk(d, 0, chunk([0])), write_chunk(d, 1, chunk([1])), write_chunk(d, 2, chunk([2]))]
+    m.complete = True
+    m.save(d)
+    assert run_progress(tmp_path / "run").shards[0].state == COMPLETE
+    (d / m.chunks[1].file).unlink()
+    s = run_progress(tmp_path / "run").shards[0]
+    assert s.state == DAMAGED and s.chunks == 3
+    assert s.error.startswith("1 committed chunk file(s) missing: chunk-000001.safetensors")
+    with open(d / m.chunks[2].file, "r+b") as f:
+        f.truncate(10)
+    s = run_progress(tmp_path / "run").shards[0]
+    assert "1 of another size: chunk-000002.safetensors (10 bytes" in s.error
+    assert run_progress(tmp_path / "run").totals["damaged"] == 1
+
+
 def test_run_dir_matches_the_dag_layout(tmp_path):
     assert run_dir({"output_root": "/o", "run_name": ""}, "manual__2026-12-03T01:00:00+00:00") == \
         "/o/manual__2026-12-03T01-00-00-00-00"
@@ -112,5 +131,5 @@ def test_plugin_loads_in_airflow():
     apps, _ = plugins_manager.get_fastapi_plugins()
     assert any(a["url_prefix"] == "/eagle3" for a in apps)
     views, _ = plugins_manager._get_ui_plugins()
-    assert {v["url_route"] for v in views} >= {"eagle3-shards", "eagle3-runs"}
+    assert {v["url_route"] for v in views} >= {"eagle3-shards", "eagle3-drafter", "eagle3-runs"}
     assert "{RUN_ID}" in p.external_views[0]["href"] and p.external_views[0]["destination"] == "dag_run"
