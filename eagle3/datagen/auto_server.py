@@ -108,13 +108,13 @@ def check_form_server(server_command: str | None, extra_args: str | None) -> lis
 def resolve_server(mode: str, model_path: str, server_command: str | None, gguf: str | None,
                    served_model_name: str, gpus: int | None = None) -> ServerChoice:
     """Resolve the "auto" values of the datagen server (see the module doc); `gpus` None = ask torch."""
-    if server_command in NAMED_SERVERS:
-        return _named(server_command, model_path, gguf, served_model_name)
     if mode == "remote":
         if served_model_name == AUTO:
             raise ConfigError("datagen param served_model_name: 'auto' works only for a local server; in remote "
                               "mode give the endpoint's model name")
         return ServerChoice(None, None, served_model_name, "remote", "datagen_mode remote")
+    if server_command in NAMED_SERVERS:
+        return _named(server_command, model_path, gguf, served_model_name)
     if server_command != AUTO:
         gguf = find_gguf(model_path) if gguf == AUTO else gguf
         name = SGLANG_SERVED_NAME if served_model_name == AUTO else served_model_name
