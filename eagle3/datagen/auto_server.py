@@ -93,7 +93,11 @@ def check_form_server(server_command: str | None, extra_args: str | None) -> lis
                         f"{list(NAMED_SERVERS)}, or ask the deployment to set EAGLE3_ALLOW_SERVER_COMMAND=true")
     engine = server_command if server_command in NAMED_SERVERS else "sglang"
     allowed = set().union(*SERVER_FLAGS.values()) if server_command == AUTO else SERVER_FLAGS[engine]
-    for tok in shlex.split(extra_args or ""):
+    try:
+        words = shlex.split(extra_args or "")
+    except ValueError as e:  # an unclosed quote
+        return problems + [f"datagen param server_extra_args {extra_args!r}: {e}"]
+    for tok in words:
         flag = tok.split("=", 1)[0]
         ok = flag in allowed if tok.startswith("-") else bool(FLAG_VALUE.match(tok))
         if tok.startswith("-") and "=" in tok:
