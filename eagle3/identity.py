@@ -24,7 +24,7 @@ def model_identity(model_path: str | Path) -> dict | str:
     path = Path(model_path)
     if not (path / "config.json").is_file():
         return str(model_path)
-    weights = sorted((p.name, p.stat().st_size) for p in path.iterdir() if p.suffix in WEIGHT_SUFFIXES)
+    weights = sorted([p.name, p.stat().st_size] for p in path.iterdir() if p.suffix in WEIGHT_SUFFIXES)  # JSON-alike
     return {"config_sha256": sha256_file(path / "config.json"), "weights": weights}
 
 
