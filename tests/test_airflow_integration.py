@@ -286,6 +286,46 @@ def celery_airflow(metadata_db, tmp_path_factory):
 GPU_WORKER_ENV = {"EAGLE3_PIN_GPUS": "1", "EAGLE3_GPUS": "0,1"}  # no GPU here: pinning is checked by the env it sets
 
 
+def test_celery_task_process_sigkilled_mid_shard_is_retried_from_its_last_chunk(celery_airflow, tmp_path):
+    """The task's own process (not the worker) SIGKILLed while a shard runs under CeleryExecutor: the worker
+    stays up, the task is failed and retried, and the retry resumes after the chunks committed before the kill;
+    every row lands once. Bounded: the run must finish within 300 s of the kill."""
+    import signal
+
+    af = celery_airflow
+    api = af.client()
+    api.wait_dag(DEMO_DAG_ID)
+    api.unpause(DEMO_DAG_ID)
+    conf = {"output_root": str(tmp_path), "run_name": "sigkill", "shards": 2, "rows": 16,
+            "samples_per_chunk": 2, "chunk_seconds": 1.0}
+    run_id = api.trigger(DEMO_DAG_ID, conf=conf)["dag_run_id"]
+    run_dir = tmp_path / "sigkill"
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        ms = shard_manifests(run_dir) if (run_dir / "extract").is_dir() else {}
+        busy = {i: m for i, m in ms.items() if m["chunks"] and not m["complete"]}
+        if busy:
+            break
+        time.sleep(0.3)
+    else:
+        pytest.fail("no shard started\n" + af.all_logs())
+    victim, m = next(iter(sorted(busy.items())))
+    pid = m["params"]["attempts"][-1]["pid"]
+    os.kill(pid, signal.SIGKILL)
+    committed = len(shard_manifests(run_dir)[victim]["chunks"])
+
+    run = api.wait_run(DEMO_DAG_ID, run_id, timeout=300)
+    assert run["state"] == "success", af.all_logs()
+    shard = next(t for t in api.task_instances(DEMO_DAG_ID, run_id)
+                 if t["task_id"] == SHARD_TASK and t["map_index"] == victim)
+    attempts = shard_manifests(run_dir)[victim]["params"]["attempts"]
+    assert shard["try_number"] >= 2 and len(attempts) >= 2, (shard, attempts)
+    assert attempts[-1]["pid"] != pid and attempts[-1]["resumed_chunks"] >= committed >= 1, attempts
+    for i, m in shard_manifests(run_dir).items():
+        rows = [r for c in m["chunks"] for r in range(c["first_row"], c["last_row"] + 1)]
+        assert m["complete"] and rows == list(range(8 * i, 8 * i + 8)), (i, rows)
+
+
 def test_celery_gpu_queue_concurrency_and_worker_kill(celery_airflow, tmp_path):
     af = celery_airflow
     api = af.client()
