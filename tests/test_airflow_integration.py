@@ -286,6 +286,28 @@ def celery_airflow(metadata_db, tmp_path_factory):
 GPU_WORKER_ENV = {"EAGLE3_PIN_GPUS": "1", "EAGLE3_GPUS": "0,1"}  # no GPU here: pinning is checked by the env it sets
 
 
+def start_demo_run(af, tmp_path: Path, run_name: str, shards: int, rows: int):
+    """The shard demo DAG triggered on the cluster, 2 samples a chunk, a chunk a second: (api, run id, run dir)."""
+    api = af.client()
+    api.wait_dag(DEMO_DAG_ID)
+    api.unpause(DEMO_DAG_ID)
+    conf = {"output_root": str(tmp_path), "run_name": run_name, "shards": shards, "rows": rows,
+            "samples_per_chunk": 2, "chunk_seconds": 1.0}
+    return api, api.trigger(DEMO_DAG_ID, conf=conf)["dag_run_id"], tmp_path / run_name
+
+
+def busy_shards(af, run_dir: Path, timeout_s: float) -> dict[int, dict]:
+    """The manifests of the shards that have committed a chunk and are not finished, once there is one."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        ms = shard_manifests(run_dir) if (run_dir / "extract").is_dir() else {}
+        busy = {i: m for i, m in ms.items() if m["chunks"] and not m["complete"]}
+        if busy:
+            return busy
+        time.sleep(0.3)
+    pytest.fail("no shard started on the gpu worker\n" + af.all_logs())
+
+
 def test_celery_task_process_sigkilled_mid_shard_is_retried_from_its_last_chunk(celery_airflow, tmp_path):
     """The task's own process (not the worker) SIGKILLed while a shard runs under CeleryExecutor: the worker
     stays up, the task is failed and retried, and the retry resumes after the chunks committed before the kill;
@@ -293,23 +315,8 @@ def test_celery_task_process_sigkilled_mid_shard_is_retried_from_its_last_chunk(
     import signal
 
     af = celery_airflow
-    api = af.client()
-    api.wait_dag(DEMO_DAG_ID)
-    api.unpause(DEMO_DAG_ID)
-    conf = {"output_root": str(tmp_path), "run_name": "sigkill", "shards": 2, "rows": 16,
-            "samples_per_chunk": 2, "chunk_seconds": 1.0}
-    run_id = api.trigger(DEMO_DAG_ID, conf=conf)["dag_run_id"]
-    run_dir = tmp_path / "sigkill"
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline:
-        ms = shard_manifests(run_dir) if (run_dir / "extract").is_dir() else {}
-        busy = {i: m for i, m in ms.items() if m["chunks"] and not m["complete"]}
-        if busy:
-            break
-        time.sleep(0.3)
-    else:
-        pytest.fail("no shard started\n" + af.all_logs())
-    victim, m = next(iter(sorted(busy.items())))
+    api, run_id, run_dir = start_demo_run(af, tmp_path, "sigkill", shards=2, rows=16)
+    victim, m = next(iter(sorted(busy_shards(af, run_dir, 180).items())))
     pid = m["params"]["attempts"][-1]["pid"]
     os.kill(pid, signal.SIGKILL)
     committed = len(shard_manifests(run_dir)[victim]["chunks"])
@@ -328,24 +335,10 @@ def test_celery_task_process_sigkilled_mid_shard_is_retried_from_its_last_chunk(
 
 def test_celery_gpu_queue_concurrency_and_worker_kill(celery_airflow, tmp_path):
     af = celery_airflow
-    api = af.client()
-    api.wait_dag(DEMO_DAG_ID)
-    api.unpause(DEMO_DAG_ID)
-    conf = {"output_root": str(tmp_path), "run_name": "celery", "shards": 4, "rows": 32,
-            "samples_per_chunk": 2, "chunk_seconds": 1.0}
-    run_id = api.trigger(DEMO_DAG_ID, conf=conf)["dag_run_id"]
-    extract_dir = tmp_path / "celery" / "extract"
+    api, run_id, _ = start_demo_run(af, tmp_path, "celery", shards=4, rows=32)
 
     # wait until a shard has committed a chunk but is not finished, then take the gpu worker down hard
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        ms = shard_manifests(tmp_path / "celery") if extract_dir.is_dir() else {}
-        busy = {i: len(m["chunks"]) for i, m in ms.items() if m["chunks"] and not m["complete"]}
-        if busy:
-            break
-        time.sleep(0.3)
-    else:
-        pytest.fail("no shard started on the gpu worker\n" + af.all_logs())
+    busy_shards(af, tmp_path / "celery", 120)
     af.kill_worker("gpu-worker")
     # shards cut mid-way: started (manifest stamped) but not complete when the worker died
     at_kill = {i: len(m["chunks"]) for i, m in shard_manifests(tmp_path / "celery").items() if not m["complete"]}
