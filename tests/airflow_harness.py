@@ -47,10 +47,10 @@ def airflow_bin() -> str:
     return str(Path(sys.executable).with_name("airflow"))
 
 
-def _psql(sql: str, db: str = "postgres") -> None:
+def _psql(sql: str, db: str = "postgres", port: int = PG_PORT) -> None:
     import psycopg
 
-    with psycopg.connect(host=PG_HOST, port=PG_PORT, user=PG_USER, dbname=db, autocommit=True) as conn:
+    with psycopg.connect(host=PG_HOST, port=port, user=PG_USER, dbname=db, autocommit=True) as conn:
         conn.execute(sql)
 
 
@@ -60,15 +60,16 @@ class MetadataDB:
 
     name: str
     home: Path
+    port: int = PG_PORT  # another Postgres server than the shared one: tests/service_harness.py
 
     @property
     def url(self) -> str:
-        return f"postgresql+psycopg2://{PG_USER}@{PG_HOST}:{PG_PORT}/{self.name}"
+        return f"postgresql+psycopg2://{PG_USER}@{PG_HOST}:{self.port}/{self.name}"
 
     @classmethod
-    def create(cls, home: Path) -> "MetadataDB":
-        db = cls(name=f"eagle3_test_{uuid.uuid4().hex[:10]}", home=Path(home))
-        _psql(f'CREATE DATABASE "{db.name}"')
+    def create(cls, home: Path, port: int = PG_PORT) -> "MetadataDB":
+        db = cls(name=f"eagle3_test_{uuid.uuid4().hex[:10]}", home=Path(home), port=port)
+        _psql(f'CREATE DATABASE "{db.name}"', port=port)
         env = base_env(db.home, db.url)
         out = subprocess.run([airflow_bin(), "db", "migrate"], env=env, capture_output=True, text=True, timeout=300)
         if out.returncode:
@@ -79,12 +80,12 @@ class MetadataDB:
     def clone(self) -> "MetadataDB":
         """A fresh copy of this migrated database (Postgres TEMPLATE copy, ~1 s instead of a migrate):
         each cluster of a session gets its own, so DAG versions and runs of one never leak into another."""
-        db = MetadataDB(name=f"{self.name}_{uuid.uuid4().hex[:6]}", home=self.home)
-        _psql(f'CREATE DATABASE "{db.name}" TEMPLATE "{self.name}"')
+        db = MetadataDB(name=f"{self.name}_{uuid.uuid4().hex[:6]}", home=self.home, port=self.port)
+        _psql(f'CREATE DATABASE "{db.name}" TEMPLATE "{self.name}"', port=self.port)
         return db
 
     def drop(self) -> None:
-        _psql(f'DROP DATABASE IF EXISTS "{self.name}" WITH (FORCE)')
+        _psql(f'DROP DATABASE IF EXISTS "{self.name}" WITH (FORCE)', port=self.port)
 
 
 def base_env(home: Path, db_url: str) -> dict[str, str]:
@@ -109,6 +110,8 @@ class Proc:
     name: str
     popen: subprocess.Popen
     log: Path
+    args: list[str] = field(default_factory=list)
+    env: dict[str, str] | None = None
 
     @property
     def pgid(self) -> int:
@@ -123,7 +126,7 @@ class AirflowCluster:
     def __init__(self, db: MetadataDB, workdir: Path, executor: str = "LocalExecutor",
                  dags_folder: Path = ROOT / "dags", plugins_folder: Path = ROOT / "plugins",
                  redis_db: int | None = None, triggerer: bool = False, extra_env: dict[str, str] | None = None,
-                 pools: dict[str, int] | None = None):
+                 pools: dict[str, int] | None = None, redis_url: str = REDIS_URL):
         self.db, self.workdir, self.executor = db, Path(workdir), executor
         self.home = self.workdir / "airflow-home"
         self.logs = self.workdir / "logs"
@@ -160,9 +163,9 @@ class AirflowCluster:
             "AIRFLOW__WORKERS__MIN_HEARTBEAT_INTERVAL": "2",
         })
         if executor == "CeleryExecutor":
-            rdb = redis_db if redis_db is not None else _empty_redis_db()
+            rdb = redis_db if redis_db is not None else _empty_redis_db(redis_url)
             self.env.update({
-                "AIRFLOW__CELERY__BROKER_URL": f"{REDIS_URL}/{rdb}",
+                "AIRFLOW__CELERY__BROKER_URL": f"{redis_url}/{rdb}",
                 "AIRFLOW__CELERY__RESULT_BACKEND": f"db+{db.url.replace('+psycopg2', '')}",
                 "AIRFLOW__CELERY__CELERY_CONFIG_OPTIONS": "eagle3_airflow.celery_config.CELERY_CONFIG",
                 "AIRFLOW__CELERY__WORKER_CONCURRENCY": "2",
@@ -181,7 +184,7 @@ class AirflowCluster:
             popen = subprocess.Popen([airflow_bin(), *args], env=env or self.env, stdout=f, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL, cwd=self.workdir, start_new_session=True)
         self.groups[name] = popen.pid
-        proc = Proc(name, popen, log)
+        proc = Proc(name, popen, log, args, env)
         self.procs[name] = proc
         return proc
 
@@ -213,6 +216,15 @@ class AirflowCluster:
         self.procs[name].popen.wait(timeout=10)
         left = _wait_session_gone(sid, 10)
         assert not left, f"{name}: processes survived SIGKILL: {left}"
+
+    def revive(self) -> list[str]:
+        """Start again every owned process that has exited, with its own arguments, as a supervisor's restart
+        policy does (compose: `restart: unless-stopped`); returns their names."""
+        dead = [p for n, p in self.procs.items() if n in self.groups and p.popen.poll() is not None]
+        for p in dead:
+            _wait_session_gone(self.groups[p.name], 10)
+            self._spawn(p.name, p.args, p.env)
+        return [p.name for p in dead]
 
     def wait_healthy(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -276,16 +288,16 @@ class AirflowCluster:
         self.stop()
 
 
-def _empty_redis_db() -> int:
+def _empty_redis_db(redis_url: str = REDIS_URL) -> int:
     """A Redis database number nobody uses now (dbsize 0), so two test sessions never share a broker."""
     import random
 
     import redis
 
     for n in random.sample(range(1, 16), 15):
-        if redis.Redis.from_url(f"{REDIS_URL}/{n}").dbsize() == 0:
+        if redis.Redis.from_url(f"{redis_url}/{n}").dbsize() == 0:
             return n
-    raise RuntimeError(f"no empty Redis database on {REDIS_URL}")
+    raise RuntimeError(f"no empty Redis database on {redis_url}")
 
 
 def _killpg(pgid: int, sig: int) -> None:
