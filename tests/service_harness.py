@@ -31,7 +31,27 @@ def _as_postgres(args: list[str]) -> list[str]:
     return ["runuser", "-u", "postgres", "--", *args] if os.geteuid() == 0 else args
 
 
-class PrivatePostgres:
+class _Server:
+    """A server the test owns: `with` starts it, and closes it (stopped, its files removed) however the test ends."""
+
+    def start(self):
+        raise NotImplementedError
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self):
+        try:
+            return self.start()
+        except BaseException:
+            self.close()
+            raise
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class PrivatePostgres(_Server):
     """A PostgreSQL cluster of its own (trust auth, user `postgres`) in a temp folder, on a free port."""
 
     def __init__(self):
@@ -83,18 +103,8 @@ class PrivatePostgres:
                 pass
         shutil.rmtree(self.dir, ignore_errors=True)
 
-    def __enter__(self) -> "PrivatePostgres":
-        try:
-            return self.start()
-        except BaseException:
-            self.close()
-            raise
 
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-
-class PrivateRedis:
+class PrivateRedis(_Server):
     """A redis-server child on a free port with no persistence: a restart loses whatever the broker held."""
 
     def __init__(self):
@@ -136,13 +146,3 @@ class PrivateRedis:
     def close(self) -> None:
         self.stop()
         shutil.rmtree(self.log.parent, ignore_errors=True)
-
-    def __enter__(self) -> "PrivateRedis":
-        try:
-            return self.start()
-        except BaseException:
-            self.close()
-            raise
-
-    def __exit__(self, *exc) -> None:
-        self.close()
