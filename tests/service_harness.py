@@ -61,8 +61,11 @@ class PrivatePostgres(_Server):
         self.log = self.dir / "server.log"
         if os.geteuid() == 0:
             shutil.chown(self.dir, "postgres", "postgres")
-        self._ctl("-D", str(self.data), "-U", PG_USER, "--auth=trust", "--no-sync", timeout=120,
-                  bin_="initdb")
+        try:
+            self._ctl("-D", str(self.data), "-U", PG_USER, "--auth=trust", "--no-sync", timeout=120, bin_="initdb")
+        except BaseException:
+            shutil.rmtree(self.dir, ignore_errors=True)
+            raise
 
     def _ctl(self, *args: str, timeout: float, bin_: str = "pg_ctl") -> None:
         out = subprocess.run(_as_postgres([bin_, *args]), capture_output=True, text=True, timeout=timeout)
