@@ -279,12 +279,31 @@ def test_operator_local_mode_starts_and_stops_the_server(smollm2_path, smollm2_g
                          config={"output_dir": str(tmp_path), "target": {"model_path": str(smollm2_path)}, "mode": "local",
                                  "served_model_name": "smollm2", "server_command": llama_server_command(),
                                  "gguf": str(smollm2_gguf), "server_ready_timeout_s": 60})
-    caplog.set_level("INFO")
-    result = op.execute({})
-    assert result["rows"] + sum(result["dropped"].values()) == 2 and not result["skipped"]
+    import logging
     import re
 
-    pid = int(re.search(r"local server pid (\d+)", caplog.text).group(1))
-    assert _proc_gone(pid) and "[server]" in caplog.text  # stopped, and its output was logged
-    again = op.execute({})  # complete: no server is started at all
-    assert again["skipped"] and caplog.text.count("starting local server") == 1
+    class Lines(logging.Handler):  # on datagen's own logger: importing Airflow drops caplog's root handler
+        def __init__(self):
+            super().__init__(logging.INFO)
+            self.lines: list[str] = []
+
+        def emit(self, record):
+            self.lines.append(record.getMessage())
+
+    seen, logger = Lines(), logging.getLogger("eagle3.datagen")
+    logger.addHandler(seen)
+    old_level = logger.level
+    logger.setLevel(logging.INFO)
+    try:
+        result = op.execute({})
+        assert result["rows"] + sum(result["dropped"].values()) == 2 and not result["skipped"]
+        text = "\n".join(seen.lines)
+        pid = int(re.search(r"local server pid (\d+)", text).group(1))
+        server_log = tmp_path / "L" / "server.log"
+        assert _proc_gone(pid) and str(server_log) in text  # stopped; its output went to its own file, named
+        assert server_log.read_text().strip()
+        again = op.execute({})  # complete: no server is started at all
+        assert again["skipped"] and "\n".join(seen.lines).count("starting local server") == 1
+    finally:
+        logger.removeHandler(seen)
+        logger.setLevel(old_level)
