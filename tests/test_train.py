@@ -285,12 +285,13 @@ def test_train_operator_skips_a_finished_run(trained):
     from eagle3_airflow.operators.train import TrainDrafterOperator
 
     cfg, report = trained
-    params = {k: getattr(cfg, k) for k in ("batch_size", "max_steps", "lr", "warmup_ratio", "checkpoint_every",
-                                            "ttt_steps", "seed")}
+    # the composed run config's train part, as preflight's XCom holds it: the target and data sections as objects
+    config = {"target": {"model_path": cfg.target.model_path}, "data": {"max_seq_len": cfg.max_seq_len},
+              "output_dir": cfg.output_dir, **{k: getattr(cfg, k) for k in (
+                  "batch_size", "max_steps", "lr", "warmup_ratio", "checkpoint_every", "ttt_steps", "seed")}}
     t = time.time()
     res = TrainDrafterOperator(task_id="train", shard_dirs=[{"shard_dir": d} for d in cfg.shard_dirs],
-                               config={"model_path": cfg.model_path, "output_dir": cfg.output_dir,
-                                       "max_seq_len": cfg.max_seq_len}, overrides=params).execute({})
+                               config=config).execute({})
     assert time.time() - t < 5 and res["steps"] == 24 and res["export_dir"] == report["export_dir"]
     json.dumps(res)
 
