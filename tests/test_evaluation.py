@@ -4,6 +4,7 @@ The model tests use the drafter trained in tests/conftest.py (`trained`) and two
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import time
@@ -98,6 +99,24 @@ def two_questions(tmp_path: Path) -> Path:
     return path
 
 
+@contextlib.contextmanager
+def log_lines(logger_name: str):
+    """The messages logged under `logger_name` (INFO and up), on a handler of its own: importing Airflow
+    reconfigures the root logger (structlog), which would drop pytest's caplog handler."""
+    lines: list[str] = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = lambda record: lines.append(record.getMessage())
+    logger = logging.getLogger(logger_name)
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        yield lines
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+
+
 @pytest.mark.slow
 def test_turn_two_is_asked_after_the_targets_own_greedy_answer(trained, smollm2_model, smollm2_tokenizer):
     from eagle3.evaluate.evaluation import build_turn_prompts
@@ -117,7 +136,7 @@ def test_turn_two_is_asked_after_the_targets_own_greedy_answer(trained, smollm2_
 
 
 @pytest.mark.slow
-def test_mtbench_evaluation_of_two_questions_is_lossless_at_each_k(trained, smollm2_path, tmp_path, caplog):
+def test_mtbench_evaluation_of_two_questions_is_lossless_at_each_k(trained, smollm2_path, tmp_path):
     from eagle3.evaluate.config import EvalConfig
     from eagle3.evaluate.run import evaluate_phase
     from eagle3_airflow.operators.train import EvaluateDrafterOperator
@@ -125,13 +144,12 @@ def test_mtbench_evaluation_of_two_questions_is_lossless_at_each_k(trained, smol
     params = {"export_dir": trained[1]["export_dir"], "model_path": str(smollm2_path),
               "output_dir": str(tmp_path / "eval"), "prompts_file": str(two_questions(tmp_path)), "ks": [2, 3],
               "max_new_tokens": 12, "floor_max_prompts": 2}
-    with warnings.catch_warnings(record=True) as warned, caplog.at_level(logging.INFO, logger="eagle3.evaluate"):
+    with warnings.catch_warnings(record=True) as warned, log_lines("eagle3.evaluate") as lines:
         warnings.simplefilter("always")
         r = evaluate_phase(phase(EvalConfig, **params))
     assert r["identical_to_greedy"] is True and r["conversations"] == 2 and r["answers"] == 4
     # the task log: progress at each k, then the result table; no library deprecation notice (the KV cache goes
     # by the name the installed transformers takes: eagle3.models.kv_cache_kwarg)
-    lines = [rec.getMessage() for rec in caplog.records]
     assert [ln.split(":")[0] for ln in lines if ln.startswith("k=")] == ["k=2", "k=3"], lines
     table = next(ln for ln in lines if ln.startswith("evaluation of ")).splitlines()
     assert table[1].split()[:2] == ["k", "tau"] and table[2].split()[:2] == ["2", f"{r['tau']['2']:.2f}"], table

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -157,7 +158,7 @@ def test_resume_after_sigkill_reproduces_uninterrupted_run(shards, smollm2_path,
     cfg = small_config(shards, kill_dir, model_path=smollm2_path, max_steps=steps, checkpoint_every=3)
     kill_dir.mkdir()
     cfg_file = tmp_path / "cfg.json"
-    cfg_file.write_text(json.dumps(cfg.__dict__))
+    cfg_file.write_text(json.dumps(dataclasses.asdict(cfg)))  # the sections as objects, built back by main
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     cmd = [sys.executable, "-m", "eagle3.train.trainer", str(cfg_file)]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
