@@ -2,7 +2,8 @@
 # A run on the device machine that outlives the call starting it, watched from later calls (docs/device-runs.md).
 #   bash bench/device_run.sh start NAME [SECONDS] -- COMMAND ...
 #   bash bench/device_run.sh poll NAME SECONDS [DIR ...]
-# start: copies bench/ and eagle3/ to /root/runs/NAME/repo (a later call replaces the tree it starts in), runs
+# start: copies bench/, eagle3/ and tests/support/ (the benches import it) to /root/runs/NAME/repo (a later call
+#   replaces the tree it starts in), runs
 #   COMMAND there in its own process session (setsid nohup), output in /root/runs/NAME/log and its exit status in
 #   /root/runs/NAME/DONE at the end, then polls it for SECONDS (default 0).
 # ($DEVICE_RUNS replaces /root/runs.)
@@ -16,7 +17,7 @@ start)
   P=0; [ "${1:-}" != "--" ] && { P=$1; shift; }; [ "${1:-}" = "--" ] && shift
   [ $# -gt 0 ] || { echo "no COMMAND after --"; exit 2; }
   [ -f "$R/log" ] && [ ! -f "$R/DONE" ] && { echo "$NAME is still running"; exit 3; }
-  rm -rf "$R" && mkdir -p "$R/repo" && cp -r bench eagle3 "$R/repo/"
+  rm -rf "$R" && mkdir -p "$R/repo/tests" && cp -r bench eagle3 "$R/repo/" && cp -r tests/support "$R/repo/tests/"
   (cd "$R/repo" && PYTHONUNBUFFERED=1 setsid nohup bash -c '"$@"; echo $? > '"$R/DONE" _ "$@" \
     > "$R/log" 2>&1 < /dev/null &)
   sleep 5

@@ -1,21 +1,20 @@
 """Extraction benchmark: the sharded extractor against the naive method and the machine's own limits.
 
 In ONE process on one device, side by side (bench/extract_limits.py holds the targets and the probes):
-  - the bf16 (CPU: the compute dtype) matmul rate -> the compute roofline in tokens/s
-    (model FLOPs a token: 2 x linear params, lm_head excluded, plus causal attention);
-  - the fsynced disk write rate (1, 2 and as many writers as the extractor uses) -> the disk limit in tokens/s
-    at the stored bytes a token;
-  - the naive method (batch 1, full model with output_hidden_states=True and logits, synchronous .cpu(),
-    one safetensors file per sample, not fsynced: generous to the baseline);
-  - the extractor (eagle3.extract.extractor) exactly as the operator runs it, on the same samples: eager,
-    compiled (`--compile`), fused (`--fused`), per SDPA kernel (`--attention`); options: fp8 storage (`--fp8`),
-    an FP8-on-load target (`--fp8-weights`: rate and how far its states move), runs between disk probes
-    (`--rounds`), the sustained matmul rate (`--matmul-seconds`).
+  - the bf16 (CPU: the compute dtype) matmul rate -> the roofline in tokens/s (active FLOPs a token, eagle3.flops:
+    linear weights a token passes through, MLA and routed experts counted, lm_head excluded, causal attention);
+  - the fsynced disk write rate (1, 2 and as many writers as the extractor uses) -> the disk limit in tokens/s;
+  - the naive method (batch 1, output_hidden_states=True and logits, synchronous .cpu(), a file per sample);
+  - the extractor as the operator runs it, on the same samples: eager, compiled (`--compile`), fused (`--fused`),
+    per SDPA kernel (`--attention`); fp8 storage (`--fp8`), an FP8-on-load target (`--fp8-weights`), runs between
+    disk probes (`--rounds`), the sustained matmul rate (`--matmul-seconds`), levers side by side (`--variants`);
+  - MoE models: the experts' GEMMs alone at the routed shapes (the ceiling) and both ratios, a skewed router
+    (`--skew`): bench/extract_levers.py, bench/extract_moe.py.
 Reports tokens/s, the fraction of min(roofline, disk limit) and the ratio to naive.
 
-Models: `real` = SmolLM2-135M-Instruct from its HF folder; `135m`, `1b`, `8b` = random-weight Llama shapes
-(SmolLM2-135M, Llama-3.2-1B, Llama-3.1-8B; random weights cost the same FLOPs and bytes); `tiny` for --smoke.
-The current figures' commands are in docs/benchmarks.md; e.g.
+Models: `real` = SmolLM2-135M-Instruct; random-weight `135m`, `1b`, `8b` (Llama shapes), `qwen3-30b-a3b`, `dsv3`
+(DeepSeek-V3, as many layers as fit the GPU); `tiny`, `tiny-moe`, `tiny-mla` for --smoke. Commands of the current
+figures: docs/benchmarks.md; of the staged MoE runs: docs/device-runs.md. E.g.
 
     python bench/extract_bench.py --models 135m,8b --tokens 3e6,6e5 --writers 6 --compile 135m,8b  # eager vs compiled
     python bench/extract_bench.py --models 8b --tokens 1.6e6 --writers 6 --compile 8b --no-eager --rounds 2 \
@@ -50,14 +49,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.extract_limits import (DEFAULT_BUDGET, build_model, disk_probe, empty_pinned_host_cache,  # noqa: E402
                                   interleaved_rounds, machine_limits, make_samples, matmul_sustained,
                                   model_flops_per_sample, quantize_fp8, states_error, sync)
+from bench.extract_levers import measure_moe, measure_variants_side_by_side, parse_variants  # noqa: E402
+from bench.extract_moe import is_moe  # noqa: E402
 from eagle3.extract.config import ExtractConfig, ShardPlanConfig  # noqa: E402
 from eagle3.extract.extractor import BACKENDS, ShardExtractor  # noqa: E402
+from eagle3.fit import bytes_per_token  # noqa: E402
 from eagle3.extract.plan import plan_shards  # noqa: E402
+from eagle3.sections import TargetConfig  # noqa: E402
 from tests.support.synthetic import write_merged_dataset  # noqa: E402
 
-SMOKE = dict(models="tiny", device="cpu", dtype="float32", tokens="3000", min_len=64, max_len=400, budget="1024",
-             writers="2", chunk_mb="1", disk_gb=0.02, naive_seconds=1.0, matmul_n=256, fp8="tiny",
-             fp8_weights="tiny", rounds=1, round_probe_gb=0.02, fresh_rounds=True, pad_multiples="1,auto")
+SMOKE = dict(models="tiny,tiny-moe,tiny-mla", device="cpu", dtype="float32", tokens="3000,1500,1500", min_len=64,
+             max_len=400, budget="1024,1024,1024", writers="2", chunk_mb="1", disk_gb=0.02, naive_seconds=1.0,
+             matmul_n=256, fp8="tiny", fp8_weights="tiny,tiny-moe", rounds=1, round_probe_gb=0.02, fresh_rounds=True,
+             pad_multiples="1,auto", skew=1.0, variants="batched:experts=batched_mm;budget512:budget=512",
+             variant_models="tiny-moe")
 
 
 @dataclass
@@ -107,7 +112,7 @@ def run_naive(b: Bench, t: Target) -> dict:
 
 def run_extractor(b: Bench, t: Target, samples, writers: int, model=None, **params) -> dict:
     """One shard of `samples` through the extractor as the operator runs it, timed; `params` are ExtractConfig's
-    (compile, backend, attention, pad_multiple, storage_dtype)."""
+    (compile, backend, attention, pad_multiple, storage_dtype, token_budget, experts_implementation, ...)."""
     model = model or t.model
     params = {"compile": False, "backend": "hf", "attention": "auto", **params}
     work = b.work / "ext"
@@ -116,10 +121,13 @@ def run_extractor(b: Bench, t: Target, samples, writers: int, model=None, **para
     spec = plan_shards(ShardPlanConfig(str(work / "merge"), 1))[0]
     c = model.config
     mc = {"num_layers": c.num_hidden_layers, "hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size}
-    cfg = ExtractConfig(model_path=t.model_path, extract_dir=str(work / "out"), capture_layers=t.layers,
-                        device=str(b.device), dtype=b.dtype_name, token_budget=t.budget, chunk_mb=t.chunk_mb,
+    target = TargetConfig(model_path=t.model_path, capture_layers=t.layers, dtype=b.dtype_name)
+    cfg = ExtractConfig(target=target, extract_dir=str(work / "out"), device=str(b.device),
+                        token_budget=params.pop("token_budget", t.budget), chunk_mb=t.chunk_mb,
                         writer_threads=writers, log_every_s=5.0, **params)
-    backend = BACKENDS[params["backend"]](model=model, compile=params["compile"], attention=params["attention"])
+    moe_options = {"experts": cfg.experts_implementation, "compile_scope": cfg.compile_scope} \
+        if cfg.backend == "hf" else {}
+    backend = BACKENDS[cfg.backend](model=model, compile=cfg.compile, attention=cfg.attention, **moe_options)
     if b.args.cold_host_buffers and b.device.type == "cuda":
         empty_pinned_host_cache(b.device)
     start = time.perf_counter()
@@ -202,7 +210,8 @@ def measure_rounds(b: Bench, t: Target, best: dict, probes: dict, bytes_per_toke
                              seed=next(seeds)) if a.fresh_rounds else t.samples)
         return run_extractor(b, t, mine, w, **best["params"], pad_multiple=pad_multiple)
 
-    extracts = {f"extractor-pad{pm}": functools.partial(run, pm) for pm in a.pad_multiples.split(",")}
+    extracts = {f"extractor-pad{pm}": functools.partial(run, int(pm) if pm.isdigit() else pm)
+                for pm in a.pad_multiples.split(",")}
     mine = {k: v for k, v in probes.items() if k.startswith(f"{w}_writers")}
     early = max(mine, key=mine.get).endswith("_early_writeback")
     probe_bytes = int((a.round_probe_gb or a.disk_gb) * 1e9)
@@ -265,13 +274,13 @@ def measure_model(b: Bench, name: str, n_tok: int, budget: int, chunk_mb: int, r
         print(f"[{name}] matmul sustained over {a.matmul_seconds:.0f} s: {sustained[-1]['sustained'] / 1e12:.0f} "
               f"TFLOP/s (first 0.1 s: {sustained[-1]['first_group'] / 1e12:.0f})", flush=True)
     disk = max(res["disk_bytes_per_s"].values())
-    bpt = (len(t.layers) + 1) * c.hidden_size * b.dtype.itemsize + 5
+    bpt = bytes_per_token(len(t.layers), c.hidden_size, b.dtype_name)
     naive = run_naive(b, t)
     print(f"[{name}] naive: {naive['tok_per_s']:.0f} tok/s ({naive['samples']} samples)", flush=True)
     variants, best = measure_variants(b, name, t)
     if name in a.fp8.split(","):
         v = run_extractor(b, t, t.samples, best["writer_threads"], storage_dtype="float8_e4m3fn")
-        bpt8 = (len(t.layers) + 1) * (c.hidden_size + 4) + 5
+        bpt8 = bytes_per_token(len(t.layers), c.hidden_size, "float8_e4m3fn")
         res["models"][name + "-fp8"] = {"storage": "float8_e4m3fn",
                                         **limits_entry(v, naive, roofline, disk / bpt8, bpt8)}
         print(f"[{name}-fp8] extractor: {v['tok_per_s_wall']:.0f} tok/s, {v['bytes'] / 1e9:.1f} GB, "
@@ -289,6 +298,11 @@ def measure_model(b: Bench, name: str, n_tok: int, budget: int, chunk_mb: int, r
     if sustained:
         sustained.append(matmul_sustained(b.device, b.dtype, n, a.matmul_seconds))
         against_sustained(name, r, sustained, int(lengths.sum()), flops)
+    if is_moe(model):
+        rate = statistics.mean(x["sustained"] for x in sustained) if sustained else res["matmul_flops"]
+        r["moe"] = measure_moe(b, name, t, best, lengths.sum() / (flops / rate), rate, lengths, warm_and_run)
+    if a.variants and name in a.variant_models.split(","):
+        r["side_by_side"] = measure_variants_side_by_side(b, name, t, best, parse_variants(a.variants), warm_and_run)
     if b.device.type == "cuda":
         r["peak_gpu_mem_gb"] = torch.cuda.max_memory_allocated(b.device) / 1e9
         torch.cuda.reset_peak_memory_stats(b.device)
@@ -352,7 +366,13 @@ def parse_args(argv=None) -> argparse.Namespace:
                     "without it the rounds repeat the first run's samples and shapes")
     ap.add_argument("--cold-host-buffers", action="store_true", help="empty torch's cache of pinned host memory "
                     "before every extractor run, so each pins its chunk buffers as a task in a fresh process does")
-    ap.add_argument("--smoke", action="store_true", help="CPU, tiny shape, every option but compilation")
+    ap.add_argument("--variants", default="", help="levers side by side on the fastest variant, one at a time: "
+                    "'name:key=val,...;name2:...' (keys: budget, pad, experts, scope, compile, attention; "
+                    "bench/extract_levers.py)")
+    ap.add_argument("--variant-models", default="", help="models the --variants run on (comma list)")
+    ap.add_argument("--skew", type=float, default=0.0, help="MoE models: also run with a Zipf-like router "
+                    "(expert rows scaled by rank^-SKEW) and report its routing load and cost")
+    ap.add_argument("--smoke", action="store_true", help="CPU, tiny shapes, every option but compilation")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     if args.smoke:

@@ -19,7 +19,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from bench.extract_moe import MOE_BUDGET, MOE_SHAPES, build_moe_model
 from eagle3.extract.backend import HFBackend
+from eagle3.flops import sample_flops
 from eagle3.extract.format import _start_writeback
 
 SHAPES = {
@@ -36,8 +38,11 @@ SHAPES = {
                  num_key_value_heads=2, vocab_size=1024, max_position_embeddings=2048, rope_theta=10000.0,
                  tie_word_embeddings=True),
 }
-DEFAULT_BUDGET = {"real": 65536, "135m": 65536, "1b": 65536, "8b": 32768, "tiny": 1024}
+DEFAULT_BUDGET = {"real": 65536, "135m": 65536, "1b": 65536, "8b": 32768, "tiny": 1024, **MOE_BUDGET}
 FP8_MAX = 448.0
+# torchao's config quantizes nn.Linear modules: attention, dense MLPs, shared experts; transformers keeps the routed
+# experts as 3D parameters run by grouped_mm, which it does not reach
+_EXPERTS_NOTE = "; routed experts (3D grouped weights) stay in the compute dtype"
 
 
 def sync(device) -> None:
@@ -49,9 +54,11 @@ def sync(device) -> None:
 
 def build_model(name: str, device, dtype, real_path: str | None):
     """(model, model_path): the real SmolLM2 from its HF folder, or a random-weight shape (seed 0: a second call
-    builds the same weights)."""
+    builds the same weights): Llama (SHAPES) or MoE (bench/extract_moe.py)."""
     from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
+    if name in MOE_SHAPES:
+        return build_moe_model(name, device, dtype)
     if name == "real":
         model = AutoModelForCausalLM.from_pretrained(real_path, dtype=dtype).to(device).eval()
         return model, str(real_path)
@@ -63,14 +70,10 @@ def build_model(name: str, device, dtype, real_path: str | None):
 
 
 def model_flops_per_sample(cfg, lengths: np.ndarray) -> float:
-    """Forward FLOPs without lm_head: 2 x linear params per token + causal attention (QK^T and AV)."""
-    H, I, Lyr = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers
-    hd = getattr(cfg, "head_dim", None) or H // cfg.num_attention_heads
-    q, kv = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
-    linear = Lyr * (H * q + 2 * H * kv + q * H + 3 * H * I)
-    lengths = lengths.astype(np.float64)
-    attn = 4.0 * Lyr * q * lengths * (lengths + 1) / 2
-    return float((2.0 * linear * lengths + attn).sum())
+    """Forward FLOPs of the samples, lm_head excluded: active linear weights and causal attention (eagle3.flops:
+    MLA and routed experts counted as a token runs them)."""
+    d = cfg.to_dict()
+    return float(sum(sample_flops(d, int(n)) for n in lengths))
 
 
 def make_samples(n_tokens: int, lo: int, hi: int, vocab: int, seed: int) -> list[list[int]]:
@@ -88,19 +91,20 @@ def quantize_fp8(model) -> str:
     decoder (the `fp8` extra; compute capability >= 8.9); the lm_head is never run. On the CPU, where those
     kernels do not run: every decoder linear weight rounded to e4m3 with one scale per row, kept in the compute
     dtype (checks the code path, not the rate)."""
+    moe = any(hasattr(m, "experts") for m in model.model.modules())
     if model.device.type == "cuda":
         import torchao
         from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow, quantize_
 
         quantize_(model.model, Float8DynamicActivationFloat8WeightConfig(granularity=PerRow()))
-        return f"torchao {torchao.__version__} Float8DynamicActivationFloat8Weight PerRow"
+        return f"torchao {torchao.__version__} Float8DynamicActivationFloat8Weight PerRow{_EXPERTS_NOTE * moe}"
     with torch.no_grad():
         for mod in model.model.layers.modules():
             if isinstance(mod, torch.nn.Linear):
                 w = mod.weight.float()
                 scale = w.abs().amax(dim=1, keepdim=True).clamp_min(1e-12) / FP8_MAX
                 mod.weight.copy_(((w / scale).to(torch.float8_e4m3fn).float() * scale).to(mod.weight.dtype))
-    return "simulated: decoder weights rounded to e4m3, per-row scales"
+    return "simulated: decoder linear weights rounded to e4m3, per-row scales" + _EXPERTS_NOTE * moe
 
 
 @torch.inference_mode()
@@ -118,6 +122,31 @@ def states_error(ref_model, model, layers: list[int], dtype_name: str, ids: torc
                     "cosine_mean": torch.nn.functional.cosine_similarity(q, r, dim=-1).mean().item(),
                     "ref_abs_max": r.abs().max().item()})
     return out
+
+
+def fp8_extraction_backend(model_path, capture: list[int], folder: Path):
+    """The real target quantized to FP8 on load (quantize_fp8), as an extraction backend (the quality run's
+    fp8-weights row); beside it, the relative error of its captured states against bf16 per capture layer on 8
+    prompts of real text, written once to <folder>/fp8_state_error.json."""
+    import json
+
+    from eagle3.models import load_model, load_tokenizer
+    from tests.support.selfdistill import make_prompts
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = "bfloat16" if device == "cuda" else "float32"
+    model, ref = (load_model(model_path, dtype=dtype).to(device) for _ in range(2))
+    method = quantize_fp8(model)
+    path = Path(folder) / "fp8_state_error.json"
+    if not path.exists():
+        tok = load_tokenizer(model_path)
+        ids = [tok(p)["input_ids"] for p in make_prompts(8)]
+        n = min(map(len, ids))
+        err = states_error(ref, model, capture, dtype, torch.tensor([x[:n] for x in ids], device=device))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"method": method, "tokens": 8 * n, "layers": err}, indent=2))
+        print(f"fp8 weights ({method}): " + ", ".join(f"{e['layer']} rel L2 {e['rel_l2']:.4f}" for e in err), flush=True)
+    return HFBackend(model=model)
 
 
 # -- the machine's limits ---------------------------------------------------------------------

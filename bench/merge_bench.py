@@ -55,8 +55,12 @@ def generate(folder: Path, total_tokens: int, seed: int = 0) -> Path:
 CHILD_MERGE = """
 import json, resource, sys, time
 from eagle3.merge import MergeConfig, run_merge
+from eagle3.sections import TargetConfig
+# SmolLM2-135M's facts, as preflight resolves them (the estimate and the vocab bound; no model folder needed)
+target = TargetConfig(model_path="SmolLM2-135M-Instruct", capture_layers=[2, 15, 27], num_layers=30,
+                      hidden_size=576, vocab_size=%d)
 t = time.perf_counter()
-s = run_merge(MergeConfig(inputs=[sys.argv[1]], output_dir=sys.argv[2], seed=1, vocab_size=49152, hidden_size=576,
+s = run_merge(MergeConfig(inputs=[sys.argv[1]], output_dir=sys.argv[2], seed=1, target=target,
                           extraction_tokens_per_s=50000, verify_existing=False))
 dt = time.perf_counter() - t
 st = json.load(open(sys.argv[2] + "/stats.json"))
@@ -64,7 +68,7 @@ print(json.dumps({"seconds": dt, "tokens_in": st["tokens_in"], "tokens_out": s["
                   "files": s["files"], "estimate": s["extraction_estimate"],
                   "cpu_s": sum(resource.getrusage(resource.RUSAGE_SELF)[:2]),
                   "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
-"""
+""" % VOCAB
 
 CHILD_NAIVE = """
 import json, random, resource, sys, time, glob

@@ -24,10 +24,13 @@ class DataVariant:
     storage: str = "bfloat16"  # extraction storage dtype
     max_seq_len: int = 512
     parts: int = 1  # answer parts (of --part-size prompts each) merged
+    turns: str = "first"  # first: each conversation cut after its first answer; all: every turn answered
+    weights: str = "bf16"  # the target's weights during extraction: bf16, or fp8 (torchao on load)
 
     @property
     def key(self) -> str:
-        return f"{self.answers}-{self.storage}-{self.max_seq_len}-p{self.parts}"
+        return (f"{self.answers}-{self.storage}-{self.max_seq_len}-p{self.parts}"
+                + ("-all" if self.turns == "all" else "") + ("-fp8w" if self.weights == "fp8" else ""))
 
 
 @dataclass
@@ -47,7 +50,8 @@ class Variant:
                "eval_new_tokens": self.eval_new_tokens}
         if train:
             row.update(draft_vocab=train["draft_vocab_size"], steps=train["steps"], train_tokens=train["train_tokens"],
-                       final_loss=train["last"]["loss"], final_acc_k=train["last"]["acc_k"])
+                       final_loss=train["last"]["loss"], final_acc_k=train["last"]["acc_k"],
+                       checkpoint_selection=train.get("checkpoint_selection"))
         if merged:
             row.update(merged_rows=merged.get("rows"), merged_tokens=merged.get("tokens"),
                        truncated=merged.get("truncated"))
@@ -87,6 +91,8 @@ def plan(args, ablation_parts: int) -> list[Variant]:
         "vocab_all": v("vocab_all", "draft vocab = all distinct tokens", "draft_vocab_size",
                        draft_vocab_size=10 ** 6),
         "fp8": v("fp8", "states stored float8_e4m3fn", "storage", replace(data, storage="float8_e4m3fn"), cost=1.2),
+        "fp8-weights": v("fp8-weights", "states extracted from the target FP8 on load (torchao)", "weights",
+                         replace(data, weights="fp8"), cost=1.2),
         "sampled": v("sampled", f"sampled answers (T={args.temperature})", "answers",
                      replace(data, answers="sampled"), cost=2.0),
         "seq2048": v("seq2048", "max_seq_len 2048", "max_seq_len", replace(data, max_seq_len=2048), cost=1.3),
@@ -104,6 +110,49 @@ def plan(args, ablation_parts: int) -> list[Variant]:
     return [Variant("base", desc, data, dict(base), k1, n)] + [ablations[w] for w in wanted]
 
 
+# Round 2 (issue 30): rows at today's default recipe, evaluated as the main run is (MT-bench, 512 tokens, k=5 and 7),
+# so each compares with the defaults' 3.24 / 2.45. `--studies` picks groups or row names.
+DEFAULT_RECIPE = {"epochs": 6, "ttt_steps": 3, "draft_vocab_size": 32000, "lr": 8e-4, "batch_size": 32}
+# data15k is asked by name only: every first turn (data_first) is 15,080 prompts on the ShareGPT wheel
+STUDIES = {"data": ["data3k", "data7k", "data_first", "data_all"],
+           "epochs": ["epochs4", "epochs8", "epochs12", "epochs16"],  # epochs6 is data_first / data_all
+           "fp8": ["fp8_first"], "selection": ["best_ckpt_first"]}
+# TrainConfig knobs that are no trigger-form param: a run sets them in train_overrides
+OVERRIDE_KNOBS = ("holdout_fraction", "validate_every")
+
+
+def studies(args, total_parts: int) -> list[Variant]:
+    """The asked round-2 rows. data*: the first 3, 7, 15 and every part of first turns (max_seq_len
+    --max-seq-len), then every turn (--all-turns-seq-len, float8 storage: all turns in bf16 outgrow the H200's
+    64 GB disk); epochs*: on --study-data (first | all) at full data; fp8_first: every first turn stored float8
+    (against data_first, bf16); best_ckpt_first: every first turn, 2% held out, the export chosen by simulated
+    acceptance (against data_first, the last checkpoint)."""
+    first = DataVariant(max_seq_len=args.max_seq_len, parts=total_parts)
+    every = DataVariant(max_seq_len=args.all_turns_seq_len, parts=total_parts, turns="all", storage="float8_e4m3fn")
+    full = every if args.study_data == "all" else first
+    ks, n = list(args.ks), args.eval_new_tokens
+
+    def v(name, change, group, data, cost, **train):
+        return Variant(name, change, data, {**DEFAULT_RECIPE, **train}, ks, n, cost, group)
+
+    rows = {f"data{k}k": v(f"data{k}k", f"{k}K first turns", "data", replace(first, parts=min(k, total_parts)),
+                           k / 15) for k in (3, 7, 15)}
+    rows["data_first"] = v("data_first", "every first turn", "data", first, 1.0)
+    rows["data_all"] = v("data_all", f"every turn, max_seq_len {every.max_seq_len}, float8 storage", "data", every, 3.0)
+    for e in (4, 8, 12, 16):
+        rows[f"epochs{e}"] = v(f"epochs{e}", f"{e} epochs, {args.study_data} turns", "epochs", full,
+                               e / 6 * (3.0 if full is every else 1.0), epochs=e)
+    rows["fp8_first"] = v("fp8_first", "every first turn stored float8_e4m3fn", "storage",
+                          replace(first, storage="float8_e4m3fn"), 1.0)
+    rows["best_ckpt_first"] = v("best_ckpt_first", "every first turn, 2% held out, best checkpoint exported",
+                                "selection", first, 1.0, holdout_fraction=0.02, validate_every=200)
+    wanted = [n for w in args.studies.split(",") if w for n in STUDIES.get(w, [w])] if args.studies != "none" else []
+    unknown = [w for w in wanted if w not in rows]
+    if unknown:
+        raise SystemExit(f"--studies: unknown {unknown}; groups {list(STUDIES)} or rows {list(rows)}")
+    return [rows[w] for w in dict.fromkeys(wanted)]
+
+
 def main_variant(base: Variant, parts: int, train_o: dict, data_o: dict, ks: list[int],
                  eval_new_tokens: int) -> Variant:
     """The main run: the base run's knobs and data on `parts` answer parts, with the recipe's overrides."""
@@ -115,8 +164,8 @@ def main_variant(base: Variant, parts: int, train_o: dict, data_o: dict, ks: lis
 
 def recipe(rows: list[dict], variants: list[Variant]) -> tuple[dict, dict, list[str]]:
     """The knobs the finished rows support: per group, the row with the highest tau at the first k, when it beats
-    the base run by more than MARGIN (else the base value). Sampled answers are reported, never adopted (the main
-    run's answers are greedy). Returns (train overrides, data overrides, one reason per group decided)."""
+    the base run by more than MARGIN (else the base value). Sampled answers and FP8 weights are reported, never
+    adopted (the main run's answers are greedy, its states bf16). Returns (train overrides, data overrides, one reason per group decided)."""
     by_name = {v.name: v for v in variants}
     done = {r["name"]: r for r in rows if r.get("tau") and r["status"] == "done"}
     if "base" not in done:
@@ -124,7 +173,7 @@ def recipe(rows: list[dict], variants: list[Variant]) -> tuple[dict, dict, list[
     k = str(by_name["base"].ks[0])
     base_tau = done["base"]["tau"][k]
     train, data, why = {}, {}, []
-    for group in dict.fromkeys(v.group for v in variants if v.group and v.group != "answers"):
+    for group in dict.fromkeys(v.group for v in variants if v.group and v.group not in ("answers", "weights")):
         tried = [n for n, v in by_name.items() if v.group == group and n in done]
         if not tried:
             continue

@@ -131,6 +131,9 @@ def build_target(out: Path, smoke: bool) -> Path:
     return out
 
 
+SCALING_CAPTURE = [1, 2, 3]  # of the 4-layer scaling target
+
+
 def build_shards(target: Path, out: Path, samples: int, length: int, device: str) -> list[Path]:
     from eagle3.models import load_model
     from tests.support.selfdistill import write_shards
@@ -140,14 +143,16 @@ def build_shards(target: Path, out: Path, samples: int, length: int, device: str
     vocab = model.config.vocab_size
     data = [{"input_ids": torch.randint(3, vocab, (length,), generator=g).tolist(),
              "loss_mask": [0] * (length // 4) + [1] * (length - length // 4)} for _ in range(samples)]
-    return write_shards(model, data, out, [1, 2, 3], num_shards=1, chunk_samples=16, model_path=str(target))
+    return write_shards(model, data, out, SCALING_CAPTURE, num_shards=1, chunk_samples=16, model_path=str(target))
 
 
 def run_trainer(target: Path, shards: list[Path], out: Path, gpus: int, parallel: str, steps: int, device: str) -> dict:
+    from eagle3.sections import TargetConfig
     from eagle3.train.config import TrainConfig
     from eagle3.train.trainer import read_metrics, train
 
-    cfg = TrainConfig(shard_dirs=[str(s) for s in shards], model_path=str(target), output_dir=str(out),
+    section = TargetConfig(model_path=str(target), capture_layers=SCALING_CAPTURE).resolved()
+    cfg = TrainConfig(target=section, shard_dirs=[str(s) for s in shards], output_dir=str(out),
                       batch_size=8, max_steps=steps, ttt_steps=7, lr=1e-3, checkpoint_every=steps, seed=0,
                       device=device, num_gpus=gpus, parallel=parallel, draft_vocab_size=8000)
     t0 = time.time()

@@ -1,6 +1,8 @@
 """Drafter quality on the real SmolLM2-135M-Instruct, on one GPU, through the pipeline's own phases; then ablations.
 
-    ShareGPT prompts (first human turn of each line of `python -m eagle3 prompts sharegpt`, MT-bench removed)
+    ShareGPT conversations (`python -m eagle3 prompts sharegpt`, MT-bench removed; --gen-turns: every human turn,
+       each answered after the target's own earlier answers, or the first only; first-turn rows are cut from
+       all-turn answers, bench/quality_prompts.py)
     -> the target's own answers (batched HF generate, bf16): greedy; sampled at --temperature for that ablation
     -> merge -> extraction (bf16; float8_e4m3fn for that ablation) -> training -> export for SGLang
     -> MT-bench evaluation (evaluate_phase, batched decoder: both turns, k=5 and 7, tau over answers that end
@@ -11,8 +13,11 @@ first). Meanwhile the base run and its ablations train on the first --ablation-p
 each, bench/quality_plan.py's order: most informative first) and are evaluated on MT-bench answers of
 --ablation-eval-new-tokens. Then the main run: every answered prompt, the recipe the finished ablations support
 (quality_plan.recipe), its optimizer steps capped to end inside --deadline-s, evaluated at --eval-new-tokens and
-every k. Every finished row is written at once to --out/ablations.json and ablations.md (the table for
-docs/benchmarks.md), the main run to quality_gpu.json.
+every k. --studies adds issue 30's rows at the default recipe (data scaling, epochs, fp8, the checkpoint chosen by
+simulated acceptance: quality_plan.studies); with --ablations none they run without the base row; --stage generate
+only answers, for a session of its own (docs/device-runs.md, "Quality round 2"). Each row is configured as a pipeline run is (row_config: its knobs as trigger-form params, composed and
+resolved by eagle3.config), in folders of its own. Every finished row is written at once to --out/ablations.json
+and ablations.md (the table for docs/benchmarks.md), the main run to quality_gpu.json.
 
 Deadlines: the answers stop at --gen-by-s, the ablation rows start no later than --ablations-by-s (a row whose
 estimate ends later is "not run"), everything ends by --deadline-s less --reserve-s (seconds from the start). Every
@@ -33,6 +38,7 @@ import shutil
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -40,20 +46,19 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 
-from bench.quality_plan import Clock, DataVariant, Variant, main_variant, plan, recipe, write_table  # noqa: E402
+from bench.extract_limits import fp8_extraction_backend  # noqa: E402
+from bench.quality_plan import OVERRIDE_KNOBS, Clock, Variant, main_variant, plan, recipe, studies, write_table  # noqa: E402
+from bench.quality_prompts import TURNS, first_turns, read_conversations  # noqa: E402
+from eagle3.config import RunConfig, resolve  # noqa: E402
 from eagle3.errors import PipelineError  # noqa: E402
-from eagle3.extract.config import ExtractConfig, ShardPlanConfig  # noqa: E402
-from eagle3.extract.run import extract_shard  # noqa: E402
+from eagle3.evaluate.run import evaluate_phase  # noqa: E402
 from eagle3.extract.plan import plan_shards  # noqa: E402
+from eagle3.extract.run import extract_shard  # noqa: E402
 from eagle3.io import atomic_path, atomic_write_json, read_json  # noqa: E402
-from eagle3.merge.config import MergeConfig  # noqa: E402
 from eagle3.merge.run import run_merge  # noqa: E402
-from eagle3.models import COMPLETE_MARKER, convert_gguf, default_capture_layers, load_model, load_tokenizer, model_info  # noqa: E402
-from tests.support import selfdistill as sd  # noqa: E402
-from eagle3.evaluate.config import EvalConfig
-from eagle3.train.config import TrainConfig  # noqa: E402
-from eagle3.evaluate.run import evaluate_phase
+from eagle3.models import COMPLETE_MARKER, convert_gguf, load_model, load_tokenizer  # noqa: E402
 from eagle3.train.run import train_phase  # noqa: E402
+from tests.support import selfdistill as sd  # noqa: E402
 
 log = logging.getLogger("quality")
 
@@ -67,32 +72,12 @@ def target_folder(args, work: Path) -> Path:
     return out
 
 
-def read_first_turns(path: str, n: int, tokenizer, max_prompt_tokens: int) -> list[str]:
-    """The first human turn of the first n usable lines (a prompt JSONL the datagen reads), in file order;
-    prompts longer than max_prompt_tokens are passed over (generation batches stay dense)."""
-    from eagle3.datagen.prompts import BadLine, parse_prompt_line
-
-    out = []
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            if len(out) >= n:
-                break
-            try:
-                _, turns = parse_prompt_line(json.loads(line))
-            except (json.JSONDecodeError, BadLine):
-                continue
-            if len(sd.prompt_ids(tokenizer, turns[0])) <= max_prompt_tokens:
-                out.append(turns[0])
-    if not out:
-        raise PipelineError(f"{path}: no usable prompt")
-    return out
-
-
-def generate(args, prompts: list[str], model_path: Path, root: Path, temperature: float, clock: Clock,
+def generate(args, prompts: list[list[str]], model_path: Path, root: Path, temperature: float, clock: Clock,
              device: str, until: float | None = None) -> int:
-    """The target's answers in parts of --part-size prompts (a finished part is never redone), one datagen-style
-    dataset folder per part under root; no part starts that would end past `until` (default: the clock's
-    deadline). Returns the prompts answered."""
+    """The target's answers to the conversations (--gen-turns: each one's first turn or every turn, a turn not
+    answered once its context reaches --all-turns-seq-len) in parts of --part-size conversations (a finished part
+    is never redone), one datagen-style dataset folder per part under root; no part starts that would end past
+    `until` (default: the clock's deadline). Returns the conversations answered."""
     parts = [(f"P{i // args.part_size:03d}", i) for i in range(0, len(prompts), args.part_size)]
     todo = [p for p in parts if not (root / p[0] / "tokenized.jsonl").is_file()]
     model = tok = None
@@ -105,13 +90,16 @@ def generate(args, prompts: list[str], model_path: Path, root: Path, temperature
             dtype = "bfloat16" if device == "cuda" else "float32"
             model, tok = load_model(model_path, dtype=dtype, device=device), load_tokenizer(model_path)
         t = time.time()
+        cache = {"cache_implementation": "static"} if args.gen_cache == "static" else {}
         samples = sd.generate_answers(model, tok, chunk, args.new_tokens, batch_size=args.gen_batch, log_every=4,
-                                      temperature=temperature, seed=1 + i // args.part_size)
+                                      temperature=temperature, seed=1 + i // args.part_size,
+                                      max_context=args.all_turns_seq_len, **cache)
         clock.record("generate", len(chunk), time.time() - t)
         (root / name).mkdir(parents=True, exist_ok=True)
         with atomic_path(root / name / "tokenized.jsonl") as tmp, open(tmp, "w") as f:
             for j, s in enumerate(samples):
-                f.write(json.dumps({"sample_id": f"{root.name}-{i + j}", "dataset": name, **s}) + "\n")
+                if s["turns"]:
+                    f.write(json.dumps({"sample_id": f"{root.name}-{i + j}", "dataset": name, **s}) + "\n")
         log.info("%s/%s: %d answers, %.0f answer tok/s", root.name, name, len(samples),
                  sum(sum(s["loss_mask"]) for s in samples) / (time.time() - t))
     return answered_parts(root, args.part_size, len(prompts))[1]
@@ -141,20 +129,49 @@ def wait_for_parts(root: Path, parts: int, args, n_prompts: int, gen: subprocess
         time.sleep(2)
 
 
-def prepare_data(args, data: DataVariant, work: Path, model_path: Path, info, clock: Clock):
-    """Merge (the first data.parts answer parts of the variant's answers, length cap) and extraction (storage
-    dtype) of one data variant: (its shard folders, the merge report)."""
-    folder = work / f"data-{data.key}"
-    root = work / "datagen" / data.answers
-    inputs = [str(root / f"P{p:03d}") for p in range(data.parts)]
-    merged = run_merge(MergeConfig(inputs=inputs, output_dir=str(folder / "merge"), max_seq_len=data.max_seq_len,
-                                   vocab_size=info.vocab_size, hidden_size=info.hidden_size))
+# the recipe's knobs that are no trigger-form param: the form's train_overrides, as a run would set them
+TRAIN_OVERRIDES = {"warmup_ratio": 0.02, "checkpoint_every": 500, "log_every": 10, "compile": False}
+
+
+def answers_dir(args, work: Path, d) -> Path:
+    """The answer parts a data variant merges: first turns of all-turn answers are cut from them (first_turns)."""
+    cut = d.turns == "first" and args.gen_turns == "all"
+    return work / "datagen" / (d.answers + ("-first" if cut else ""))
+
+
+def row_config(args, model_path: Path, work: Path, v: Variant) -> RunConfig:
+    """One row's run configuration from trigger-form params, resolved as preflight resolves it; then the bench's
+    own folders (the rows of a data variant share its merge and extraction) and the main row's random floor."""
+    d = v.data
+    params = {"model_path": str(model_path), "output_root": str(work), "run_name": v.name,
+              # the bench answers the prompts itself: no datagen server to resolve
+              "datagen_mode": "remote", "datagen_conn_id": "unused", "served_model_name": "unused",
+              "max_seq_len": d.max_seq_len, "storage_dtype": d.storage, "num_shards": args.shards,
+              "token_budget": 65536, "chunk_mb": 256, **{k: x for k, x in v.train.items() if k not in OVERRIDE_KNOBS},
+              "max_steps": args.max_steps,
+              "train_overrides": {**TRAIN_OVERRIDES, **{k: x for k, x in v.train.items() if k in OVERRIDE_KNOBS}}, "eval_prompts": args.eval_prompts, "eval_ks": v.ks,
+              "eval_max_new_tokens": v.eval_new_tokens, "eval_max_prompts": args.eval_conversations}
+    cfg, _ = resolve(RunConfig.from_params(params, v.name))
+    data, answers, trained = work / f"data-{d.key}", answers_dir(args, work, d), work / f"train-{v.name}"
+    return replace(
+        cfg, merge=replace(cfg.merge, inputs=[str(answers / f"P{p:03d}") for p in range(d.parts)],
+                           output_dir=str(data / "merge")),
+        plan=replace(cfg.plan, merge_dir=str(data / "merge")),
+        extract=replace(cfg.extract, extract_dir=str(data / "extract")),
+        train=replace(cfg.train, output_dir=str(trained)),
+        evaluate=replace(cfg.evaluate, export_dir=str(trained / "export"), output_dir=str(work / f"eval-{v.name}"),
+                         random_floor=v.name == "main", floor_max_prompts=8))
+
+
+def prepare_data(cfg: RunConfig, clock: Clock, weights: str = "bf16"):
+    """Merge (the variant's answer parts, its length cap) and extraction (its storage dtype; from the target FP8 on
+    load when `weights` is fp8) of one data variant: (its shard folders, the merge report)."""
+    merged = run_merge(cfg.merge)
     t = time.time()
-    capture = default_capture_layers(info.num_layers)
-    shards = [extract_shard(ExtractConfig(model_path=str(model_path), extract_dir=str(folder / "extract"),
-                                          capture_layers=capture, storage_dtype=data.storage, chunk_mb=256,
-                                          token_budget=65536), spec)
-              for spec in plan_shards(ShardPlanConfig(str(folder / "merge"), args.shards))]
+    t_cfg = cfg.extract.target
+    backend = (fp8_extraction_backend(t_cfg.model_path, t_cfg.capture_layers, Path(cfg.extract.extract_dir).parent)
+               if weights == "fp8" else None)
+    shards = [extract_shard(cfg.extract, spec, backend=backend) for spec in plan_shards(cfg.plan)]
     clock.record("extract", merged["tokens"], time.time() - t)
     return [s["shard_dir"] for s in shards], merged
 
@@ -162,12 +179,12 @@ def prepare_data(args, data: DataVariant, work: Path, model_path: Path, info, cl
 class Runs:
     """What one variant needs besides its knobs: the target, the prompts, the data prepared so far, the clock."""
 
-    def __init__(self, args, work: Path, model_path: Path, info, clock: Clock, prompts: list[str], device: str,
+    def __init__(self, args, work: Path, model_path: Path, clock: Clock, prompts: list[str], device: str,
                  gen: subprocess.Popen | None):
-        self.args, self.work, self.model_path, self.info, self.clock = args, work, model_path, info, clock
+        self.args, self.work, self.model_path, self.clock = args, work, model_path, clock
         self.prompts, self.device, self.gen, self.shards_of = prompts, device, gen, {}
 
-    def data(self, v: Variant):
+    def data(self, v: Variant, cfg: RunConfig):
         args, d = self.args, v.data
         n = min(len(self.prompts), d.parts * args.part_size)
         wait_for_parts(self.work / "datagen" / "greedy", d.parts, args, len(self.prompts), self.gen)
@@ -176,34 +193,32 @@ class Runs:
                             args.temperature, self.clock, self.device)
             if done < n:
                 raise PipelineError(f"{d.answers} answers: {done} of {n} prompts by the deadline")
+        if d.turns == "all" and args.gen_turns != "all":
+            raise PipelineError(f"{v.name} trains on every turn: generate them (--gen-turns all)")
+        if answers_dir(args, self.work, d).name.endswith("-first"):
+            for p in range(d.parts):
+                part = f"P{p:03d}"
+                first_turns(self.work / "datagen" / d.answers / part, answers_dir(args, self.work, d) / part)
         if d.key not in self.shards_of:
-            self.shards_of[d.key] = prepare_data(args, d, self.work, self.model_path, self.info, self.clock)
+            self.shards_of[d.key] = prepare_data(cfg, self.clock, d.weights)
         return self.shards_of[d.key]
 
     def run(self, v: Variant, max_steps: int = 0, on_data=None) -> tuple[dict, tuple | None]:
         """Train and evaluate one variant: (its table row, (train, ev, merged, failure) or None)."""
-        args, work = self.args, self.work
+        cfg = row_config(self.args, self.model_path, self.work, v)  # a ConfigError is the bench's bug: it stops
         try:
-            shard_dirs, merged = self.data(v)
-            if on_data:
-                max_steps = on_data(merged)
+            shard_dirs, merged = self.data(v, cfg)
+            max_steps = on_data(merged) if on_data else max_steps
             t = time.time()
-            train = train_phase(TrainConfig(shard_dirs=shard_dirs, model_path=str(self.model_path),
-                                            output_dir=str(work / f"train-{v.name}"), warmup_ratio=0.02,
-                                            checkpoint_every=500, log_every=10, max_seq_len=v.data.max_seq_len,
-                                            max_steps=max_steps or args.max_steps, compile=False, **v.train))
+            train = train_phase(replace(cfg.train, shard_dirs=shard_dirs, max_steps=max_steps or cfg.train.max_steps))
             train_s = time.time() - t
-            self.clock.record("train_sample", train["steps"] * v.train["batch_size"], train_s)
+            self.clock.record("train_sample", train["steps"] * cfg.train.batch_size, train_s)
             t = time.time()
             failure = None
-            ecfg = EvalConfig(export_dir=train["export_dir"], model_path=str(self.model_path),
-                              output_dir=str(work / f"eval-{v.name}"), prompts_file=args.eval_prompts, ks=v.ks,
-                              max_new_tokens=v.eval_new_tokens, max_prompts=args.eval_conversations,
-                              random_floor=v.name == "main", floor_max_prompts=8)
             try:
-                ev = evaluate_phase(ecfg)
+                ev = evaluate_phase(cfg.evaluate)
             except PipelineError as e:  # the phase wrote its figures before failing: keep them, say why
-                failure, ev = str(e)[:300], read_json(work / f"eval-{v.name}" / "report.failed.json")
+                failure, ev = str(e)[:300], read_json(Path(cfg.evaluate.output_dir) / "report.failed.json")
             row = v.row(status="done" if failure is None else "NOT LOSSLESS", train=train, ev=ev, merged=merged,
                         train_s=round(train_s, 1), eval_s=round(time.time() - t, 1), failure=failure)
             return row, (train, ev, merged, failure)
@@ -212,16 +227,17 @@ class Runs:
             return v.row(status=f"failed: {str(e)[:200]}"), None
 
 
-def run_ablations(runs: Runs, variants: list[Variant], until: float, out: Path, meta: dict) -> list[dict]:
-    """The base run and its ablations, each row written to the table as it ends; a row whose estimate ends past
-    `until` is "not run" (unless already finished: it is read back)."""
+def run_ablations(runs: Runs, variants: list[Variant], until: float, out: Path, meta: dict,
+                  rows: list[dict] | None = None) -> list[dict]:
+    """The base run and its ablations (or other rows), each row added to `rows` and written to the table as it
+    ends; a row whose estimate ends past `until` is "not run" (unless already finished: it is read back)."""
     args, work, clock = runs.args, runs.work, runs.clock
     for v in variants:  # sampled answers first: the child writes the greedy parts meanwhile
         if v.data.answers != "greedy" and clock.allows("variant", v.cost, until):
             n = min(len(runs.prompts), v.data.parts * args.part_size)
             generate(args, runs.prompts[:n], runs.model_path, work / "datagen" / v.data.answers, args.temperature,
                      clock, runs.device)
-    rows: list[dict] = []
+    rows = [] if rows is None else rows
     for v in variants:
         base = next((r for r in rows if r["name"] == "base" and r.get("draft_vocab")), None)
         resumed = (work / f"eval-{v.name}" / "report.json").is_file()
@@ -306,8 +322,14 @@ def parse_args():
     ap.add_argument("--ablations", default="all", help="comma list of ablation names, `all` or `none`")
     ap.add_argument("--main-recipe", choices=("ablations", "base"), default="ablations")
     ap.add_argument("--no-main", action="store_true", help="the base run and ablations only (e.g. rows left)")
-    ap.add_argument("--stage", choices=("all", "generate"), default="all", help=argparse.SUPPRESS)
-    ap.add_argument("--until", type=float, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--gen-turns", choices=TURNS, default="all", help="answer each conversation's first turn or all")
+    ap.add_argument("--gen-cache", choices=("dynamic", "static"), default="dynamic", help="HF generate's KV cache")
+    ap.add_argument("--all-turns-seq-len", type=int, default=2048, help="every-turn rows' cap; no turn past it")
+    ap.add_argument("--studies", default="none", help="round-2 rows: groups (data, epochs, fp8, selection) or rows")
+    ap.add_argument("--study-data", choices=TURNS, default="first", help="the epochs rows' data (full first/all)")
+    ap.add_argument("--stage", choices=("all", "generate"), default="all",
+                    help="generate: only the greedy answers, until --until (epoch seconds), e.g. a session of its own")
+    ap.add_argument("--until", type=float, default=0, help="--stage generate: no part starts that ends past it")
     ap.add_argument("--smoke", action="store_true", help="CPU: tiny everything (the cached SmolLM2 folder)")
     args = ap.parse_args()
     if args.smoke:
@@ -345,8 +367,8 @@ def main() -> None:
             args.eval_prompts = str(work / "mtbench.jsonl")
             write_mtbench(args.eval_prompts)
     model_path = target_folder(args, work)
-    info, tok = model_info(model_path), load_tokenizer(model_path)
-    prompts = read_first_turns(args.train_prompts, args.prompts, tok, args.max_prompt_tokens)
+    tok = load_tokenizer(model_path)
+    prompts = read_conversations(args.train_prompts, args.prompts, tok, args.max_prompt_tokens, args.gen_turns)
     greedy = work / "datagen" / "greedy"
     if args.stage == "generate":
         generate(args, prompts, model_path, greedy, 0.0, clock, device, until=args.until)
@@ -355,10 +377,12 @@ def main() -> None:
     meta = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "argv": sys.argv[1:],
             "device": torch.cuda.get_device_name(0) if device == "cuda" else "cpu", "torch": torch.__version__,
             "prompts": len(prompts)}
-    runs = Runs(args, work, model_path, info, clock, prompts, device, gen)
+    runs = Runs(args, work, model_path, clock, prompts, device, gen)
     variants = plan(args, -(-min(args.ablation_prompts, len(prompts)) // args.part_size))
-    rows = run_ablations(runs, variants, t0 + args.ablations_by_s, out, meta)
+    round2 = args.studies != "none" and args.ablations == "none"  # the studies' rows without the 3K base run
+    rows = [] if round2 else run_ablations(runs, variants, t0 + args.ablations_by_s, out, meta)
     gen.wait()
+    rows = run_ablations(runs, studies(args, -(-len(prompts) // args.part_size)), clock.deadline, out, meta, rows)
     if not args.no_main:
         parts, answered = answered_parts(greedy, args.part_size, len(prompts))
         rows.append(run_main(runs, rows, variants, parts, answered, out, meta))

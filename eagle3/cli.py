@@ -6,10 +6,34 @@ import argparse
 import json
 import logging
 import sys
+from typing import Callable
+
+from eagle3.errors import PipelineError
+
+
+def guarded(prog: str, command: Callable[[], int], debug: bool) -> int:
+    """Run a command-line entry: a failure prints one line on stderr, `<prog>: <what is wrong, where>`, and exits
+    1 (130 on Ctrl-C); the traceback only with --debug (raised as it is). Every entry goes through here."""
+    try:
+        return command()
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:
+        if debug:
+            raise
+        what = str(e) if isinstance(e, PipelineError) else f"{type(e).__name__}: {e}"
+        print(f"{prog}: {what} (--debug shows the traceback)", file=sys.stderr)
+        return 1
+
+
+def add_debug(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--debug", action="store_true", help="on a failure, show the traceback")
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="eagle3")
+    add_debug(p)
     sub = p.add_subparsers(dest="cmd", required=True)
     m = sub.add_parser("prepare-model", help="convert the shipped SmolLM2 GGUF into a cached HF folder; print its path")
     m.add_argument("--cache-dir", default=None)
@@ -28,25 +52,26 @@ def main(argv: list[str] | None = None) -> int:
     pr.add_argument("--mtbench-source", default=None,
                     help="sharegpt: the MT-bench question.jsonl whose questions are removed (default: the wheel's)")
     args = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=logging.DEBUG if args.debug else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.cmd == "prompts" and args.limit < 0:
+        p.error("--limit must be >= 0")
+    return guarded(f"eagle3 {args.cmd}", lambda: run_command(args), args.debug)
 
+
+def run_command(args: argparse.Namespace) -> int:
     if args.cmd == "prepare-model":
         from eagle3.models import ensure_smollm2
 
         print(ensure_smollm2(args.cache_dir))
         return 0
     if args.cmd == "preflight":
-        from eagle3.errors import ConfigError, PipelineError
         from eagle3.preflight import PreflightConfig, run_preflight
         from eagle3.sections import TargetConfig
 
-        try:
-            target = TargetConfig(model_path=args.model_path, capture_layers=args.capture_layers).resolved()
-            report = run_preflight(PreflightConfig(args.output_dir, args.estimated_tokens, allow_cpu=args.allow_cpu),
-                                   target)
-        except (ConfigError, PipelineError) as e:
-            print(e, file=sys.stderr)
-            return 1
+        target = TargetConfig(model_path=args.model_path, capture_layers=args.capture_layers).resolved()
+        report = run_preflight(PreflightConfig(args.output_dir, args.estimated_tokens, allow_cpu=args.allow_cpu),
+                               target)
         print(json.dumps({"ok": report["ok"], "device": report["device"]}))
         return 0
     if args.cmd == "dags-folder":
@@ -54,18 +79,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.cmd == "prompts":
         from eagle3.datagen.public_prompts import write_mtbench, write_sharegpt
-        from eagle3.errors import ConfigError
 
-        if args.limit < 0:
-            p.error("--limit must be >= 0")
-        try:
-            if args.which == "sharegpt":
-                report = write_sharegpt(args.out, args.limit, args.source, args.mtbench_source)
-            else:
-                report = write_mtbench(args.out, args.limit, args.source)
-        except (ConfigError, OSError) as e:
-            print(f"eagle3 prompts {args.which}: {e}", file=sys.stderr)
-            return 1
+        if args.which == "sharegpt":
+            report = write_sharegpt(args.out, args.limit, args.source, args.mtbench_source)
+        else:
+            report = write_mtbench(args.out, args.limit, args.source)
         print(json.dumps(report, indent=1, ensure_ascii=False))
         return 0
     return 2

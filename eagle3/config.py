@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
-from eagle3.datagen.auto_server import AUTO, resolve_server
+from eagle3.datagen.auto_server import AUTO, check_form_server, resolve_server
 from eagle3.datagen.config import DATASET_SCHEMA, DatagenConfig, DatasetSpec
 from eagle3.errors import ConfigError
 from eagle3.evaluate.config import EvalConfig
@@ -309,6 +309,19 @@ def phase_config(phase: str) -> str:
     return "{{ ti.xcom_pull(task_ids='%s')['run_config']['%s'] }}" % (FACTS_TASK, phase)
 
 
+def form_path_problems(cfg: RunConfig) -> list[str]:
+    """The form's paths outside the deployment's allowed roots (eagle3.settings.PATH_ROOTS); none when unconfined."""
+    from eagle3.settings import outside_roots
+
+    paths = [("param output_root", cfg.run.output_root), ("param model_path", cfg.target.model_path)]
+    paths += [(f"dataset {d.get('name')!r} prompt_file", d.get("prompt_file")) for d in cfg.run.datasets]
+    if cfg.datagen.gguf not in (None, "auto"):
+        paths.append(("param gguf", cfg.datagen.gguf))
+    if cfg.evaluate.prompts_file and cfg.evaluate.prompts_file != "mtbench":
+        paths.append(("param eval_prompts", cfg.evaluate.prompts_file))
+    return [p for label, path in paths if path and (p := outside_roots(label, path))]
+
+
 def resolve(cfg: RunConfig) -> tuple[RunConfig, list[str]]:
     """The configuration every task gets, resolved once: the target's capture layers and facts (config.json),
     the datagen server's "auto" values; plus the notes preflight logs (what "auto" chose and why). One
@@ -322,6 +335,7 @@ def resolve(cfg: RunConfig) -> tuple[RunConfig, list[str]]:
         problems.append(str(e))
         target = None
     dg = cfg.datagen
+    problems += check_form_server(dg.server_command, dg.server_extra_args) + form_path_problems(cfg)
     try:
         choice = resolve_server(dg.mode, cfg.target.model_path, dg.server_command, dg.gguf, dg.served_model_name)
         dg = dataclasses.replace(dg, server_command=choice.server_command, gguf=choice.gguf,

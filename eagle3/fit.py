@@ -1,4 +1,5 @@
-"""What fits: a target's weight bytes per GPU at a tensor-parallel size, from its config.json alone.
+"""What fits: a target's weight bytes per GPU at a tensor-parallel size, from its config.json alone, and the disk
+bytes a token of extracted states takes (bytes_per_token).
 
 Preflight runs this before any task loads a model: a tp_size that does not divide the attention heads, kv heads
 or experts fails naming the param and the counts; weights that do not fit the free GPU memory fail with the
@@ -174,3 +175,17 @@ def check_fits(cfg: dict, tp_size: int, free_bytes: int, param: str, headroom: f
                           f"{', fp8' if est.quantized else ''}), more than {headroom:.0%} of the "
                           f"{free_bytes / 2**30:.1f} GiB free per GPU; {hint}")
     return est
+
+
+# Bytes of one stored value per storage dtype; "auto" stores the compute dtype, bfloat16 on a GPU (an estimate
+# made before the run, in preflight or merge, assumes the GPU; the CPU demo stores float32)
+STORAGE_ITEMSIZE = {"auto": 2, "bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3fn": 1}
+
+
+def bytes_per_token(num_capture_layers: int, hidden_size: int, storage_dtype: str) -> int:
+    """Bytes one token takes in a chunk: its states (the capture layers and the final state), its int32 id and
+    uint8 loss mask, and with fp8 storage one fp32 scale per state. Preflight's disk check, merge's estimate
+    and the extractor's chunk sizing all use this."""
+    states = num_capture_layers + 1
+    scales = 4 * states if storage_dtype == "float8_e4m3fn" else 0
+    return states * hidden_size * STORAGE_ITEMSIZE[storage_dtype] + 5 + scales

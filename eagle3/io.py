@@ -12,12 +12,13 @@ import hashlib
 import json
 import os
 import shutil
+import stat
 import uuid
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from eagle3.errors import PipelineError
+from eagle3.errors import ConfigError, PipelineError
 
 MANIFEST_NAME = "manifest.json"
 
@@ -40,7 +41,11 @@ def temp_path_for(path: Path) -> Path:
 
 
 class DiskFullError(PipelineError):
-    """No space left (or quota exceeded) while writing a file; the message names the file and the free space."""
+    """No space left (or quota exceeded) while writing a file; the message names the file and the free space.
+    Not retried: space must be freed first (then clear the task: it resumes)."""
+
+    retried = False
+    kind = "a full disk"
 
 
 def disk_full_error(path: str | os.PathLike, e: OSError) -> DiskFullError:
@@ -58,27 +63,62 @@ def is_disk_full(e: BaseException) -> bool:
 
 
 @contextmanager
-def atomic_path(path: str | os.PathLike, fsync: bool = True) -> Iterator[Path]:
-    """Yield a temp path to write; on success it is fsynced and renamed to `path`.
-
-    On an exception the temp file is removed and `path` is left as it was; a full disk raises DiskFullError
-    naming `path`.
-    """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = temp_path_for(path)
+def names_disk_full(path: str | os.PathLike) -> Iterator[None]:
+    """A full disk inside the block (os, open, pyarrow: all raise OSError with errno 28/122) raises
+    DiskFullError naming `path`; other errors pass unchanged."""
     try:
-        yield tmp
-        if fsync:
-            with open(tmp, "rb+") as f:
-                os.fsync(f.fileno())
-        os.replace(tmp, path)
-        if fsync:
-            _fsync_dir(path.parent)
+        yield
     except OSError as e:
         if is_disk_full(e):
             raise disk_full_error(path, e) from e
         raise
+
+
+def _kind(mode: int) -> str:
+    for test, name in ((stat.S_ISDIR, "directory"), (stat.S_ISCHR, "character device"),
+                       (stat.S_ISBLK, "block device"), (stat.S_ISFIFO, "FIFO"), (stat.S_ISSOCK, "socket")):
+        if test(mode):
+            return name
+    return "special file"
+
+
+def output_file(path: str | os.PathLike) -> Path:
+    """Where an output named `path` is written: a symlink's target (the link stays a link, as with `>`), else
+    `path`. Something there that is not a regular file (a directory, a device such as /dev/full, a FIFO, a
+    socket) is refused: the rename that makes a write atomic would replace it with a regular file."""
+    path = Path(path)
+    if path.is_symlink():
+        path = Path(os.path.realpath(path))
+    try:
+        mode = path.stat().st_mode
+    except FileNotFoundError:
+        return path
+    if not stat.S_ISREG(mode):
+        raise ConfigError(f"output {path} is a {_kind(mode)}, not a regular file: refusing to replace it; give the "
+                          f"path of a file (a new one, or one to overwrite)")
+    return path
+
+
+@contextmanager
+def atomic_path(path: str | os.PathLike, fsync: bool = True) -> Iterator[Path]:
+    """Yield a temp path to write; on success it is fsynced and renamed to `path` (to a symlink's target; what
+    is not a regular file is refused: output_file).
+
+    On an exception the temp file is removed and `path` is left as it was; a full disk raises DiskFullError
+    naming `path`.
+    """
+    path = output_file(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = temp_path_for(path)
+    try:
+        with names_disk_full(path):
+            yield tmp
+            if fsync:
+                with open(tmp, "rb+") as f:
+                    os.fsync(f.fileno())
+            os.replace(tmp, path)
+            if fsync:
+                _fsync_dir(path.parent)
     finally:
         if tmp.exists():
             tmp.unlink()
@@ -101,6 +141,36 @@ def read_json(path: str | os.PathLike) -> Any:
             return json.load(f)
     except json.JSONDecodeError as e:
         raise ValueError(f"{path}:{e.lineno}: invalid JSON: {e.msg}") from e
+
+
+def not_a_file(path: Path) -> str:
+    """Why an input file that must be a regular file is not one, for a message: "<path> " + this."""
+    if path.is_dir():
+        return "is a directory, not a file"
+    if path.exists():
+        return "is not a regular file"
+    return "does not exist"
+
+
+class BadJSONLine(ValueError):
+    """A JSONL line that is not JSON: malformed, not UTF-8, or nested deeper than the parser follows."""
+
+
+def json_line(raw: bytes | str):
+    """The value of one JSONL line, or BadJSONLine saying why not (the caller adds file:line).
+
+    Bytes must be UTF-8 (a BOM is allowed). Thousands of nested brackets make Python's parser raise
+    RecursionError, which is no bad-line error of its own: it is one here like any other malformed line.
+    """
+    try:
+        text = raw.decode("utf-8-sig") if isinstance(raw, (bytes, bytearray)) else raw
+        return json.loads(text)
+    except UnicodeDecodeError as e:
+        raise BadJSONLine(f"not UTF-8 text: byte {e.start} of the line ({e.reason})") from None
+    except json.JSONDecodeError as e:
+        raise BadJSONLine(f"invalid JSON: {e}") from None
+    except RecursionError:
+        raise BadJSONLine("invalid JSON: nested deeper than the parser follows (thousands of brackets)") from None
 
 
 def sha256_file(path: str | os.PathLike, bufsize: int = 1 << 20) -> str:

@@ -13,15 +13,20 @@ Each rank is a spawned child (torch.distributed.elastic.multiprocessing.start_pr
 The parent polls the ranks: when one fails, the others get SIGTERM, then SIGKILL after `grace_s`, and the parent
 raises RankFailed with the failed rank's error (the first lines of its traceback, from the elastic error file).
 A rank that hangs outside a collective makes the others' next collective time out after `timeout_s`, which fails
-them, which takes the hung one down; `deadline_s` bounds the whole run besides.
+them; each such rank says so (a file in the run's status folder) and the ranks that did not are named as the ones
+that stopped answering. The run fails timeout_s + PEER_LOST_SETTLE_S + at most grace_s after the hang (plus the
+ranks' start-up); `deadline_s` bounds the whole run besides.
 """
 
 from __future__ import annotations
 
 import importlib
+import logging
 import os
+import pickle
 import signal
 import socket
+import sys
 import tempfile
 import time
 from datetime import timedelta
@@ -29,6 +34,8 @@ from datetime import timedelta
 from eagle3.errors import ConfigError, PipelineError
 
 BACKENDS = ("gloo", "nccl")
+STATUS_DIR_VAR = "EAGLE3_RANK_STATUS_DIR"
+PEER_LOST_SETTLE_S = 2.0  # ranks waiting in one collective time out within this of each other
 # errors a rank raises because ANOTHER rank went away: reported only when no rank has a better cause
 _PEER_LOST = ("DistBackendError", "Connection closed by peer", "Connection reset by peer", "ProcessGroupGloo",
               "Broken pipe", "NCCL communicator was aborted", "Timed out waiting", "timed out", "Socket Timeout")
@@ -82,11 +89,19 @@ def resolve(fn_path: str):
     return getattr(importlib.import_module(module), name)
 
 
-def _rank_main(fn_path: str, args: tuple, backend: str, timeout_s: float, parent_pid: int, threads: int):
-    """The body of one rank (in the spawned child)."""
+def _rank_main(fn_path: str, pickled_args: bytes, backend: str, timeout_s: float, parent_pid: int, threads: int,
+               name: str = "eagle3"):
+    """The body of one rank (in the spawned child). The arguments come pickled and are unpickled here, inside
+    elastic's error recording: unpickled by the spawn bootstrap, a failure (a class that does not import in the
+    child) left no error file and the parent saw only "To enable traceback see ...", not the rank's error."""
     from eagle3.procs import die_with_parent_now
 
     die_with_parent_now(parent_pid)
+    # a spawned rank starts with no logging set up: its INFO lines (progress, ETA, "resumed from ...") go to the
+    # stdout it shares with the task, which Airflow's task log records as INFO (stderr would read as ERROR)
+    logging.basicConfig(level=logging.INFO, stream=sys.stdout, force=True,
+                        format=f"[{name} rank {os.environ.get('RANK', '?')}] %(levelname)s %(name)s: %(message)s")
+    args = pickle.loads(pickled_args)
     import torch
     import torch.distributed as dist
 
@@ -97,6 +112,13 @@ def _rank_main(fn_path: str, args: tuple, backend: str, timeout_s: float, parent
     dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
     try:
         return resolve(fn_path)(*args)
+    except Exception as e:
+        if any(s in f"{type(e).__name__}: {e}" for s in _PEER_LOST):
+            # say so, then give the other waiting ranks the time to fail the same way and say so too: the launcher
+            # stops every rank at the first exit, and the ranks that said nothing are the ones that stopped answering
+            open(os.path.join(os.environ[STATUS_DIR_VAR], f"rank-{dist.get_rank()}.lost-peer"), "w").close()
+            time.sleep(PEER_LOST_SETTLE_S)
+        raise
     finally:
         dist.destroy_process_group()
 
@@ -114,8 +136,9 @@ def _failure_text(failure) -> str:
         text = f"{msg.get('message', '')}\n{_last_frames(tb)}".strip()
     elif failure.signal_name() not in ("", "<N/A>", None) and failure.exitcode < 0:
         text = f"killed by {failure.signal_name()} (exit code {failure.exitcode})"
-    else:
-        text = str(failure.message or f"exit code {failure.exitcode}")
+    else:  # no error file: the rank died before its body ran (its traceback went to the task log's stderr)
+        text = (f"exit code {failure.exitcode} before the rank's code ran (no error recorded; its traceback, if any, "
+                f"is in the task log above)")
     return _first_lines(text)
 
 
@@ -145,6 +168,16 @@ def _root_cause(failures: dict[int, str]) -> int:
     return min(killed or own or failures)
 
 
+def _stopped_answering(failures: dict[int, str], status_dir: str, nprocs: int) -> list[int]:
+    """The ranks the others were waiting for: when every failed rank only lost its peers (a collective timed out,
+    a connection closed), the ranks that did not say so (`<status_dir>/rank-<r>.lost-peer`) nor failed otherwise
+    never reached the collective: they stopped answering (a hang). Empty when any rank has an error of its own."""
+    if not failures or any(not any(s in t for s in _PEER_LOST) for t in failures.values()):
+        return []
+    said = {r for r in range(nprocs) if os.path.exists(os.path.join(status_dir, f"rank-{r}.lost-peer"))}
+    return [r for r in range(nprocs) if r not in said and r not in failures]
+
+
 def run_distributed(fn_path: str, args: tuple = (), nprocs: int = 2, backend: str = "gloo",
                     timeout_s: float = 600.0, grace_s: float = 10.0, deadline_s: float | None = None,
                     threads_per_rank: int | None = None, env: dict[str, str] | None = None,
@@ -163,11 +196,11 @@ def run_distributed(fn_path: str, args: tuple = (), nprocs: int = 2, backend: st
     if threads_per_rank is None and backend == "gloo":  # N ranks on the CPU share its cores
         threads_per_rank = max(1, (os.cpu_count() or 1) // nprocs)
     port, parent = free_port(), os.getpid()
-    common = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(nprocs),
-              "LOCAL_WORLD_SIZE": str(nprocs), **(env or {})}
-    envs = {r: {**common, "RANK": str(r), "LOCAL_RANK": str(r)} for r in range(nprocs)}
-    call = (fn_path, tuple(args), backend, float(timeout_s), parent, int(threads_per_rank or 0))
+    call = (fn_path, pickle.dumps(tuple(args)), backend, float(timeout_s), parent, int(threads_per_rank or 0), name)
     with tempfile.TemporaryDirectory(prefix=f"{name}-ranks-") as logs:
+        common = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(nprocs),
+                  "LOCAL_WORLD_SIZE": str(nprocs), STATUS_DIR_VAR: logs, **(env or {})}
+        envs = {r: {**common, "RANK": str(r), "LOCAL_RANK": str(r)} for r in range(nprocs)}
         ctx = start_processes(name=name, entrypoint=_rank_main, args={r: call for r in range(nprocs)}, envs=envs,
                               logs_specs=DefaultLogsSpecs(log_dir=logs), start_method="spawn")
         end = None if deadline_s is None else time.monotonic() + deadline_s
@@ -184,6 +217,13 @@ def run_distributed(fn_path: str, args: tuple = (), nprocs: int = 2, backend: st
         if result.is_failed():
             failures = {r: _failure_text(f) for r, f in result.failures.items()}
             failures.update(_other_errors(ctx, failures))
+            hung = _stopped_answering(failures, logs, nprocs)
+    if result.is_failed() and hung:
+        waited = sorted(r for r in failures if r not in hung)
+        for r in hung:
+            failures[r] = (f"stopped answering: ranks {waited} waited {timeout_s:g} s for it in a collective "
+                           f"(the collective timeout: dist_timeout_s in training, rank_timeout_s in extraction and evaluation) and failed; it was then stopped")
+        raise RankFailed(hung[0], failures[hung[0]], failures)
     if result.is_failed():
         rank = _root_cause(failures)
         raise RankFailed(rank, failures[rank], failures)

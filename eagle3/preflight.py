@@ -21,7 +21,9 @@ from eagle3.fit import (check_fits, check_fp8_device, check_tp_divides, load_con
                         weight_estimate)
 from eagle3.io import atomic_write_json
 from eagle3.knobs import check_knobs, knob
-from eagle3.extract.format import bytes_per_token
+from eagle3.fit import bytes_per_token
+from eagle3.extract.rates import time_estimate
+from eagle3.merge.stats import human_hours
 from eagle3.models import model_info
 from eagle3.sections import TargetConfig
 from eagle3.train.serving import ENGINES, sglang_layer_ids, vllm_layer_ids
@@ -43,6 +45,8 @@ class PreflightConfig:
                                 "in preflight (a GPU worker that lost its GPUs).")
     min_gpus: int = knob(1, min=0, help="GPUs the run needs unless allow_cpu")
     disk_headroom: float = knob(1.1, min=1.0, help="ask for this multiple of the disk estimate")
+    estimate_mean_length: int = knob(2048, min=1, help="Mean sample length in tokens the extraction time estimate "
+                                                       "assumes (attention's cost grows with it).")
     fit_headroom: float = knob(0.8, gt=0, max=1, help="The target's weights per GPU must fit this fraction of the "
                                                       "free GPU memory (activations and the CUDA context need the rest).")
     serving_engines: list[str] = knob(default_factory=lambda: ["sglang"], param="serving_engines", section="Run",
@@ -59,6 +63,9 @@ class PreflightConfig:
 
 
 class PreflightError(PipelineError):
+    retried = False
+    kind = "a pre-check refusal"
+
     def __init__(self, failures: list[str], report: dict):
         self.failures = failures
         self.report = report
@@ -188,6 +195,15 @@ def check_disk(cfg: PreflightConfig, n_layers: int, hidden: int, storage_dtype: 
 TP_PARAM = "extract_tp_size"
 
 
+def extraction_time(cfg: PreflightConfig, target: TargetConfig, n_gpus: int) -> dict:
+    """How long extraction takes at the measured rate of the target's class (eagle3.extract.rates)."""
+    try:
+        return time_estimate(load_config(target.model_path), cfg.estimated_tokens, cfg.estimate_mean_length, n_gpus,
+                             target.tp_size)
+    except (ConfigError, KeyError) as e:  # an unreadable config.json is check_model's to report
+        return {"error": str(e)}
+
+
 def check_fit(cfg: PreflightConfig, target: TargetConfig, gpus: list[dict], n_gpus: int,
               failures: list[str]) -> dict:
     """What fits, from config.json alone: tp_size against heads/kv heads/experts and the GPUs; the weights per GPU
@@ -243,6 +259,8 @@ def run_preflight(cfg: PreflightConfig, target: TargetConfig, storage_dtype: str
     info = report["model"].get("info")
     if info and isinstance(target.capture_layers, list):
         report["disk"] = check_disk(cfg, len(target.capture_layers), info["hidden_size"], storage_dtype, failures)
+    if info and cfg.estimated_tokens:
+        report["time"] = extraction_time(cfg, target, n_gpus)
     report["failures"] = failures
     report["ok"] = not failures
     out = Path(cfg.output_dir)
@@ -271,6 +289,11 @@ def format_report(report: dict) -> str:
         d = report["disk"]
         lines.append(f"  disk {d['path']}: {d['free_bytes'] / 1e9:.1f} GB free, extraction needs"
                      f" {d['estimated_extraction_bytes'] / 1e9:.2f} GB")
+    if report.get("time"):
+        t = report["time"]
+        lines.append(f"  extraction time: {human_hours(t['hours_one_gpu'])} on one H200"
+                     + (f", {human_hours(t['hours'])} on this worker's {t['gpus']} GPUs" if t["hours"] else "")
+                     + f" ({t['tok_per_s']:.0f} tokens/s a GPU at mean length {t['mean_length']}; {t['note']})")
     fit = report.get("fit") or {}
     if fit:
         line = (f"  fit: weights {fit['total_bytes'] / 2**30:.1f} GiB, {fit['per_gpu_bytes'] / 2**30:.1f} GiB per GPU "

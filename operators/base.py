@@ -3,21 +3,23 @@
 An operator templates one thing, its phase config: its part of the run configuration that preflight resolved
 (eagle3.config.RunConfig, pulled from preflight's XCom as a native dict: `phase_config(name)`), or a dict of the
 phase's fields when the operator is used on its own. It builds the core's config dataclass from it (an unknown
-key is a ConfigError naming it), calls the core and returns a small JSON-able summary. A ConfigError is the user's input, which no retry changes: it becomes
-AirflowFailException, so the task fails at once instead of retrying. Faults (a killed worker, a flaky
-endpoint) stay ordinary exceptions and keep their retries. Hugging Face libraries' output goes through the
+key is a ConfigError naming it), calls the core and returns a small JSON-able summary. The retry policy is the
+failure class's (eagle3.errors.retried): a failure no retry changes (a config error, bad input over its
+threshold, a pre-check refusal, a wrong API key) becomes AirflowFailException, so the task fails at once;
+faults (a killed worker, a flaky endpoint) stay ordinary exceptions and keep their retries. Hugging Face libraries' output goes through the
 task log at its own level (hf_output_to_task_log).
 """
 
 from __future__ import annotations
 
 import os
-from typing import Any, ClassVar, Generic, Mapping, Sequence, TypeVar
+from contextlib import contextmanager
+from typing import Any, ClassVar, Generic, Iterator, Mapping, Sequence, TypeVar
 
 from airflow.sdk import BaseOperator, Context
 from airflow.sdk.exceptions import AirflowFailException
 
-from eagle3.errors import ConfigError
+from eagle3.errors import ConfigError, failure_kind, retried
 from eagle3.knobs import build
 from eagle3_airflow.operators._render import rendered
 
@@ -44,10 +46,8 @@ class Eagle3Operator(BaseOperator, Generic[C]):
 
     def execute(self, context: Context) -> Any:
         hf_output_to_task_log()
-        try:
+        with retry_policy(self.task_id):
             return self.run(self.build_config(**self.mapped_values()), context)
-        except ConfigError as e:
-            raise AirflowFailException(f"{self.task_id}: {e} (a config error: not retried)") from e
 
     def mapped_values(self) -> dict[str, Any]:
         """Config fields that come from the task's own arguments (a mapped shard, a dataset); none by default."""
@@ -55,6 +55,18 @@ class Eagle3Operator(BaseOperator, Generic[C]):
 
     def run(self, cfg: C, context: Context) -> Any:
         raise NotImplementedError
+
+
+@contextmanager
+def retry_policy(task_id: str) -> Iterator[None]:
+    """A failure whose class says no retry can help fails the task at once (AirflowFailException), saying
+    what kind it is; anything else propagates and keeps the task's retries."""
+    try:
+        yield
+    except Exception as e:
+        if retried(e):
+            raise
+        raise AirflowFailException(f"{task_id}: {e} ({failure_kind(e)}: not retried)") from e
 
 
 def hf_output_to_task_log() -> None:

@@ -3,9 +3,7 @@ from __future__ import annotations
 from typing import Any, Mapping, Sequence
 
 from airflow.sdk import BaseOperator, Context
-from airflow.sdk.exceptions import AirflowFailException
-
-from eagle3_airflow.operators.base import hf_output_to_task_log
+from eagle3_airflow.operators.base import hf_output_to_task_log, retry_policy
 
 
 class PreflightOperator(BaseOperator):
@@ -30,7 +28,7 @@ class PreflightOperator(BaseOperator):
         from eagle3_airflow.deployment import deployment_problems
 
         hf_output_to_task_log()
-        try:
+        with retry_policy(self.task_id):
             # first: a pool or queue this Airflow lacks would leave tasks waiting forever, hours from now
             problems = deployment_problems(context["dag"].tasks)
             if problems:
@@ -38,16 +36,15 @@ class PreflightOperator(BaseOperator):
             if not isinstance(self.run_params, dict):
                 raise ConfigError(f"run_params rendered to {type(self.run_params).__name__}, not the form's object")
             cfg, notes = check_run(self.run_params, context["run_id"], self.gpu_slots)
-        except ConfigError as e:
-            raise AirflowFailException(f"{self.task_id}: {e} (a config error: not retried)") from e
-        for note in notes:
-            self.log.info("%s", note)
-        from eagle3_airflow.deployment import name_the_run
+            for note in notes:
+                self.log.info("%s", note)
+            from eagle3_airflow.deployment import name_the_run
 
-        # the run page shows the note beside the run id: the name a user gave (or the id's folder name) and folder
-        name_the_run(self.dag_id, context["run_id"], cfg.run.run_name, cfg.run.dir)
-        self.log.info("run %s: its files go to %s", cfg.run.run_name, cfg.run.dir)
-        report = run_preflight(cfg.preflight, cfg.target, cfg.extract.storage_dtype, notes=notes)
+            # the run page shows the note beside the run id: the name a user gave (or the id's folder name) and
+            # folder
+            name_the_run(self.dag_id, context["run_id"], cfg.run.run_name, cfg.run.dir)
+            self.log.info("run %s: its files go to %s", cfg.run.run_name, cfg.run.dir)
+            report = run_preflight(cfg.preflight, cfg.target, cfg.extract.storage_dtype, notes=notes)
         t = cfg.target
         return {
             "run_config": cfg.to_dict(),

@@ -6,11 +6,14 @@
 #   bash scripts/airflow.sh status    running or not, and the health of its parts
 #   bash scripts/airflow.sh stop      stop it and everything it started (tasks included)
 # Settings (environment): EAGLE3_AIRFLOW_PORT (8080), EAGLE3_ADMIN_PASSWORD (admin), AIRFLOW_HOME (.airflow),
-# EAGLE3_GPU_POOL_SLOTS (the GPUs nvidia-smi lists, at least 1). Log: $AIRFLOW_HOME/standalone.log.
+# EAGLE3_GPU_POOL_SLOTS (the GPUs nvidia-smi lists, at least 1), EAGLE3_AIRFLOW_HOST (127.0.0.1: the UI and REST
+# API on this machine only; another address is refused while the password is the default). Log:
+# $AIRFLOW_HOME/standalone.log.
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
 cd "$ROOT"
 PORT="${EAGLE3_AIRFLOW_PORT:-8080}"
+HOST="${EAGLE3_AIRFLOW_HOST:-127.0.0.1}"
 URL="http://localhost:$PORT"
 PIDFILE="$AIRFLOW_HOME/standalone.pid"
 LOG="$AIRFLOW_HOME/standalone.log"
@@ -22,7 +25,8 @@ PASSWORD="${EAGLE3_ADMIN_PASSWORD:-admin}"
 # generates one). The same login lets preflight read the pools through the REST API (eagle3_airflow/deployment.py).
 export AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS="$USER_NAME:admin"
 export AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_PASSWORDS_FILE="$AIRFLOW_HOME/passwords.json"
-export AIRFLOW__API__PORT="$PORT" AIRFLOW__API__BASE_URL="$URL"
+# Airflow's default host is 0.0.0.0: every interface, an open door on a shared GPU host with a known login
+export AIRFLOW__API__HOST="$HOST" AIRFLOW__API__PORT="$PORT" AIRFLOW__API__BASE_URL="$URL"
 export AIRFLOW__CORE__EXECUTION_API_SERVER_URL="$URL/execution/"
 export AIRFLOW__CORE__DAGS_ARE_PAUSED_AT_CREATION=False
 export AIRFLOW_CONN_EAGLE3_AIRFLOW_API="{\"conn_type\": \"airflow_api\", \"host\": \"$URL\", \"login\": \"$USER_NAME\", \"password\": \"$PASSWORD\"}"
@@ -56,7 +60,15 @@ stop() {
   echo "airflow standalone stopped"
 }
 
+local_only() { case "$1" in 127.*|localhost|::1|"[::1]") return 0 ;; *) return 1 ;; esac; }
+
 start() {
+  if ! local_only "$HOST" && [ "$PASSWORD" = admin ]; then
+    echo "refusing to serve the Airflow UI and REST API on $HOST (EAGLE3_AIRFLOW_HOST) with the default login" \
+         "admin / admin: set EAGLE3_ADMIN_PASSWORD to a password of your own, or leave EAGLE3_AIRFLOW_HOST unset" \
+         "(127.0.0.1: this machine only)" >&2
+    exit 1
+  fi
   if running; then echo "airflow standalone is already running (pid $(cat "$PIDFILE"))"; print_login; return 0; fi
   command -v airflow >/dev/null || { echo "no airflow in $EAGLE3_VENV: run bash scripts/setup.sh server first" >&2; exit 1; }
   python -m eagle3 prepare-model >/dev/null  # the default model_path (converted once, then a quick check)

@@ -57,6 +57,12 @@ def standalone(tmp_path_factory):
         assert started.returncode == 0, started.stdout[-3000:] + started.stderr[-3000:]
         m = re.search(r"Airflow UI: (\S+)\s+login: (\S+) / (\S+)", started.stdout)
         assert m, started.stdout
+        # the UI and REST API listen on this machine only (Airflow's own default is every interface)
+        port = int(env["EAGLE3_AIRFLOW_PORT"])
+        listening = [f.split()[1] for f in Path("/proc/net/tcp").read_text().splitlines()[1:] + Path(
+            "/proc/net/tcp6").read_text().splitlines()[1:] if f.split()[3] == "0A" and
+            int(f.split()[1].rsplit(":", 1)[1], 16) == port]
+        assert listening == [f"0100007F:{port:04X}"], listening
         status = airflow_sh("status", env, timeout=60)
         assert status.returncode == 0 and '"scheduler":{"status":"healthy"' in status.stdout, status.stdout
         yield {"url": m.group(1), "user": m.group(2), "password": m.group(3), "work": work, "env": env}

@@ -38,7 +38,6 @@ def when(ts: str) -> float:
 
 def real_conf(root: Path, run_name: str) -> dict:
     """The real DAG at toy sizes: 2 datasets x 6 prompts, 2 shards of > 256 tokens (>= 2 chunks), a few training steps."""
-    from eagle3.datagen.llama_cpp_server import command_template
     from eagle3.models import ensure_smollm2, find_smollm2_gguf
 
     eval_prompts = root / "eval.jsonl"
@@ -49,7 +48,7 @@ def real_conf(root: Path, run_name: str) -> dict:
     return {
         "model_path": str(ensure_smollm2()), "output_root": str(root), "run_name": run_name, "allow_cpu": True,
         "datasets": datasets, "datagen_mode": "local", "gguf": str(find_smollm2_gguf()),
-        "server_command": command_template("smollm2"),
+        "server_command": "llama.cpp",  # a named server: free-form commands are off by default
         "served_model_name": "smollm2", "datagen_client": {"concurrency": 2},
         # 0.3 MiB = 34 fp32 tokens, so each forward batch (<= 256 tokens) is its own chunk: >= 2 chunks a shard
         "num_shards": 2, "chunk_mb": 0.3, "token_budget": 256,
@@ -287,26 +286,59 @@ def celery_airflow(metadata_db, tmp_path_factory):
 GPU_WORKER_ENV = {"EAGLE3_PIN_GPUS": "1", "EAGLE3_GPUS": "0,1"}  # no GPU here: pinning is checked by the env it sets
 
 
-def test_celery_gpu_queue_concurrency_and_worker_kill(celery_airflow, tmp_path):
-    af = celery_airflow
+def start_demo_run(af, tmp_path: Path, run_name: str, shards: int, rows: int):
+    """The shard demo DAG triggered on the cluster, 2 samples a chunk, a chunk a second: (api, run id, run dir)."""
     api = af.client()
     api.wait_dag(DEMO_DAG_ID)
     api.unpause(DEMO_DAG_ID)
-    conf = {"output_root": str(tmp_path), "run_name": "celery", "shards": 4, "rows": 32,
+    conf = {"output_root": str(tmp_path), "run_name": run_name, "shards": shards, "rows": rows,
             "samples_per_chunk": 2, "chunk_seconds": 1.0}
-    run_id = api.trigger(DEMO_DAG_ID, conf=conf)["dag_run_id"]
-    extract_dir = tmp_path / "celery" / "extract"
+    return api, api.trigger(DEMO_DAG_ID, conf=conf)["dag_run_id"], tmp_path / run_name
+
+
+def busy_shards(af, run_dir: Path, timeout_s: float) -> dict[int, dict]:
+    """The manifests of the shards that have committed a chunk and are not finished, once there is one."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        ms = shard_manifests(run_dir) if (run_dir / "extract").is_dir() else {}
+        busy = {i: m for i, m in ms.items() if m["chunks"] and not m["complete"]}
+        if busy:
+            return busy
+        time.sleep(0.3)
+    pytest.fail("no shard started on the gpu worker\n" + af.all_logs())
+
+
+def test_celery_task_process_sigkilled_mid_shard_is_retried_from_its_last_chunk(celery_airflow, tmp_path):
+    """The task's own process (not the worker) SIGKILLed while a shard runs under CeleryExecutor: the worker
+    stays up, the task is failed and retried, and the retry resumes after the chunks committed before the kill;
+    every row lands once. Bounded: the run must finish within 300 s of the kill."""
+    import signal
+
+    af = celery_airflow
+    api, run_id, run_dir = start_demo_run(af, tmp_path, "sigkill", shards=2, rows=16)
+    victim, m = next(iter(sorted(busy_shards(af, run_dir, 180).items())))
+    pid = m["params"]["attempts"][-1]["pid"]
+    os.kill(pid, signal.SIGKILL)
+    committed = len(shard_manifests(run_dir)[victim]["chunks"])
+
+    run = api.wait_run(DEMO_DAG_ID, run_id, timeout=300)
+    assert run["state"] == "success", af.all_logs()
+    shard = next(t for t in api.task_instances(DEMO_DAG_ID, run_id)
+                 if t["task_id"] == SHARD_TASK and t["map_index"] == victim)
+    attempts = shard_manifests(run_dir)[victim]["params"]["attempts"]
+    assert shard["try_number"] >= 2 and len(attempts) >= 2, (shard, attempts)
+    assert attempts[-1]["pid"] != pid and attempts[-1]["resumed_chunks"] >= committed >= 1, attempts
+    for i, m in shard_manifests(run_dir).items():
+        rows = [r for c in m["chunks"] for r in range(c["first_row"], c["last_row"] + 1)]
+        assert m["complete"] and rows == list(range(8 * i, 8 * i + 8)), (i, rows)
+
+
+def test_celery_gpu_queue_concurrency_and_worker_kill(celery_airflow, tmp_path):
+    af = celery_airflow
+    api, run_id, _ = start_demo_run(af, tmp_path, "celery", shards=4, rows=32)
 
     # wait until a shard has committed a chunk but is not finished, then take the gpu worker down hard
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        ms = shard_manifests(tmp_path / "celery") if extract_dir.is_dir() else {}
-        busy = {i: len(m["chunks"]) for i, m in ms.items() if m["chunks"] and not m["complete"]}
-        if busy:
-            break
-        time.sleep(0.3)
-    else:
-        pytest.fail("no shard started on the gpu worker\n" + af.all_logs())
+    busy_shards(af, tmp_path / "celery", 120)
     af.kill_worker("gpu-worker")
     # shards cut mid-way: started (manifest stamped) but not complete when the worker died
     at_kill = {i: len(m["chunks"]) for i, m in shard_manifests(tmp_path / "celery").items() if not m["complete"]}

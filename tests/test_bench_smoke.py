@@ -19,6 +19,16 @@ def test_extract_bench_smoke_measures_every_option_on_the_cpu(tmp_path):
                                                        "final"]
     assert all(0 < e["rel_l2"] < 0.5 and e["cosine_mean"] > 0.9 for e in fp8["state_error"])
     assert set(tiny["interleaved"]["variants"]) == {"extractor-pad1", "extractor-padauto"}
+    assert "moe" not in tiny
+    for name in ("tiny-moe", "tiny-mla"):  # the MoE rows: experts' GEMM ceiling, both ratios, a skewed router
+        m = models[name]["moe"]
+        assert m["expert_ceiling"]["rows"] == 1024 * 4 and m["expert_ceiling"]["ceiling"] > 0
+        assert 0 < m["fraction_of_active_roofline"] and 0 < m["fraction_of_ceiling_roofline"]
+        assert m["skewed"]["routing"]["max_over_mean"] > m["routing_uniform"]["max_over_mean"]
+        assert models[name]["extractor"]["tokens"] == models[name]["tokens"]
+    side = models["tiny-moe"]["side_by_side"]
+    assert side["batched"]["params"]["experts_implementation"] == "batched_mm" and side["budget512"]["tok_per_s_wall"]
+    assert "routed experts" in models["tiny-moe"]["fp8_weights"]["method"]
 
 
 def test_train_bench_speed_runs_a_tiny_drafter_on_the_cpu(tmp_path):

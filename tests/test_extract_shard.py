@@ -319,12 +319,14 @@ def test_wrong_layer_and_dtype_give_clear_errors(spec, smollm2_path, tmp_path):
         extract_shard(config(smollm2_path, tmp_path / "f16", dtype="float16"), spec)
 
 
-def test_out_of_memory_then_a_smaller_token_budget_succeeds(tiny_done, tiny_model, spec, tmp_path):
+def test_out_of_memory_then_a_smaller_token_budget_succeeds(tiny_done, tiny_model, spec, tmp_path, monkeypatch):
     """Doing what the out-of-memory error says works: the failed attempt committed nothing, so the retry with a
     smaller token_budget in the same folder is not refused, and its chunks are the ordinary run's."""
-    # a budget whose activations cannot fit in this machine's free memory: caught before any work
-    with pytest.raises(ExtractOOMError, match=r"token_budget=100000000 needs about .* GB but only .* GB is free "
-                                               r"on cpu: set a smaller token_budget .* e\.g\. token_budget=\d+"):
+    # a budget whose batch (all 4 samples, 600 padded tokens) cannot fit the free memory: caught before any work
+    free_for(monkeypatch, 300)
+    with pytest.raises(ExtractOOMError, match=r"token_budget=100000000 needs about .* GB for its largest batch .* "
+                                               r"but only .* GB is free on cpu .*: set a smaller token_budget .* "
+                                               r"e\.g\. token_budget=\d+"):
         tiny_run(tiny_model, spec, tmp_path, token_budget=100_000_000)
     assert not list((tmp_path / "shard-00000").glob("chunk-*"))
     out = tiny_run(tiny_model, spec, tmp_path)
@@ -631,3 +633,58 @@ def test_torch_free_choices_equal_what_the_torch_side_accepts():
     code = ("import sys; import eagle3.extract.config, eagle3.extract.batches, eagle3.extract.plan, "
             "eagle3.merge.dataset; assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+
+
+def tiny_per_token_bytes() -> int:
+    from eagle3.extract.extractor import estimate_batch_bytes
+
+    return estimate_batch_bytes(1, TINY_SHAPE["hidden_size"], TINY_SHAPE["intermediate_size"], 3, 4, 4)
+
+
+def free_for(monkeypatch, tokens: int) -> None:
+    """The device's free memory set so that 0.9 x free holds `tokens` padded tokens of the tiny model."""
+    monkeypatch.setattr("eagle3.extract.extractor.free_device_memory",
+                        lambda device: int(tiny_per_token_bytes() * tokens / 0.9) + 1)
+
+
+def test_memory_check_sizes_the_largest_batch_not_the_budget(tiny_model, tmp_path, monkeypatch):
+    """A sample longer than token_budget runs alone in a batch larger than the budget: memory for the budget
+    but not for that sample is refused before any work, saying no budget helps and what does."""
+    samples = [[1] + [5 + i % 7] * (n - 2) + [2] for i, n in enumerate([600, 100, 90, 80])]
+    write_merged_dataset(tmp_path / "merge", samples)
+    long_spec = plan_shards(ShardPlanConfig(str(tmp_path / "merge"), 1))[0]
+    free_for(monkeypatch, 400)  # room for the budget (256) but not for the 600-token sample
+    with pytest.raises(ExtractOOMError, match=r"largest batch \(600 padded tokens\).*the longest sample alone "
+                                               r"\(600 tokens\) does not fit.*capture fewer layers.*extract_tp_size"
+                                               r".*float8_e4m3fn.*max_seq_len"):
+        tiny_run(tiny_model, long_spec, tmp_path / "out")
+    assert not list((tmp_path / "out" / "shard-00000").glob("chunk-*"))
+    free_for(monkeypatch, 700)
+    assert tiny_run(tiny_model, long_spec, tmp_path / "out")["complete"]
+
+
+def test_out_of_memory_advice_passes_its_own_check(tiny_model, spec, tmp_path, monkeypatch):
+    """The budget the check advises is one the same check accepts; at the knob's floor it says what else helps."""
+    import re
+
+    free_for(monkeypatch, 400)  # the budget's batch holds all 4 samples: 600 padded tokens
+    with pytest.raises(ExtractOOMError) as e:
+        tiny_run(tiny_model, spec, tmp_path / "a", token_budget=4096)
+    advised = int(re.search(r"e\.g\. token_budget=(\d+)", str(e.value)).group(1))
+    assert max(LENGTHS) <= advised <= 400
+    assert tiny_run(tiny_model, spec, tmp_path / "a", token_budget=advised)["complete"]
+    free_for(monkeypatch, 200)  # every sample (<= 150 tokens) fits, the least budget (256) does not
+    with pytest.raises(ExtractOOMError, match=r"token_budget cannot go below 256, so a smaller token_budget does "
+                                               r"not help: capture fewer layers") as e:
+        tiny_run(tiny_model, spec, tmp_path / "b", token_budget=300)
+    assert "e.g. token_budget" not in str(e.value)
+
+
+def test_out_of_memory_in_the_forward_advises_a_smaller_batch_or_says_what_else_helps():
+    from eagle3.extract.extractor import oom_message
+
+    assert "e.g. token_budget=512" in oom_message(1024, "cuda:0", longest=150)
+    assert "e.g. token_budget=600" in oom_message(1024, "cuda:0", longest=600)
+    floor = oom_message(256, "cuda:0", longest=150)
+    assert "e.g." not in floor and "fp8" in floor and "extract_tp_size" in floor
+    assert "e.g." not in oom_message(512, "cuda:0", longest=2048)

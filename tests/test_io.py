@@ -1,6 +1,6 @@
 import pytest
 
-from eagle3.io import atomic_path, atomic_write_json, fingerprint, read_json, remove_stale_temps
+from eagle3.io import atomic_path, atomic_write_bytes, atomic_write_json, fingerprint, read_json, remove_stale_temps
 
 
 def test_atomic_write_replaces_and_leaves_no_temp(tmp_path):
@@ -36,3 +36,33 @@ def test_stale_temps_removed_and_fingerprint_stable(tmp_path):
     assert [f.name for f in tmp_path.iterdir()] == ["keep.json"]
     assert fingerprint({"a": 1, "b": [1, 2]}) == fingerprint({"b": [1, 2], "a": 1})
     assert fingerprint({"a": 1}) != fingerprint({"a": 2})
+
+
+def test_an_output_that_is_not_a_regular_file_is_refused_and_a_symlink_written_through(tmp_path):
+    import os
+    import stat
+
+    import pytest
+
+    from eagle3.errors import ConfigError
+
+    fifo, folder = tmp_path / "fifo", tmp_path / "dir"
+    os.mkfifo(fifo)
+    folder.mkdir()
+    for path, kind in ((fifo, "FIFO"), (folder, "directory")):
+        with pytest.raises(ConfigError, match=rf"output {path} is a {kind}, not a regular file: refusing"):
+            atomic_write_bytes(path, b"x")
+    assert stat.S_ISFIFO(fifo.stat().st_mode) and folder.is_dir() and not list(folder.iterdir())
+    # a link to a device is refused too (the check follows the link)
+    (tmp_path / "to-fifo").symlink_to(fifo)
+    with pytest.raises(ConfigError, match="is a FIFO"):
+        atomic_write_bytes(tmp_path / "to-fifo", b"x")
+    # a symlink: its target gets the new bytes, the link stays a link
+    target = tmp_path / "real" / "data.json"
+    target.parent.mkdir()
+    target.write_bytes(b"old")
+    link = tmp_path / "link.json"
+    link.symlink_to(target)
+    atomic_write_bytes(link, b"new")
+    assert link.is_symlink() and target.read_bytes() == b"new" and link.read_bytes() == b"new"
+    assert sorted(p.name for p in target.parent.iterdir()) == ["data.json"]

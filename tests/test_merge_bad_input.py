@@ -106,8 +106,9 @@ def test_above_threshold_fails_clearly_and_keeps_the_last_good_output(tmp_path):
 def test_nothing_but_empty_datasets_fails(tmp_path):
     write_dataset(tmp_path / "in", "E1", [])
     write_dataset(tmp_path / "in", "E2", [])
-    with pytest.raises(BadInputError, match="2 empty dataset"):
+    with pytest.raises(BadInputError, match="every input item is bad .*2 empty dataset") as e:
         run_merge(phase(MergeConfig, inputs=[str(tmp_path / "in")], output_dir=str(tmp_path / "out"), max_bad_fraction=1.0))
+    assert "above max_bad_fraction" not in str(e.value)  # 100% is not above 100%
     assert not (tmp_path / "out" / "manifest.json").exists()
 
 
@@ -123,3 +124,56 @@ def test_long_lines_and_a_missing_final_newline(tmp_path):
     assert s["rows"] == 3 and s["bad_input"] == 0
     rows = {r["sample_id"]: r for r in read_all(tmp_path / "out")}
     assert rows["L-0"]["input_ids"] == long_ids and rows["L-2"]["input_ids"] == [3, 4]
+
+
+@pytest.mark.parametrize("where", ["spill", "parts"])
+def test_a_full_disk_names_the_file_and_keeps_the_last_good_output(tmp_path, monkeypatch, where):
+    """The shuffle spill (pass 1) and the Parquet writer (pass 2) on a full disk (writes go to /dev/full, which
+    answers ENOSPC): DiskFullError names the file being written; the last good output is untouched."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from eagle3.io import DiskFullError
+    from tests.merge_helpers import random_datasets
+
+    random_datasets(tmp_path / "in", n=20)
+    out = tmp_path / "out"
+    cfg = dict(inputs=[str(tmp_path / "in")], output_dir=str(out), vocab_size=VOCAB)
+    run_merge(phase(MergeConfig, **cfg))
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    if where == "spill":
+        real = pa.OSFile
+        monkeypatch.setattr(pa, "OSFile", lambda path, mode="r": real("/dev/full", mode) if "w" in mode
+                            else real(path, mode))
+        named = r"\.merge-tmp-[^ ]*/buckets/bucket-\d{5}\.arrow"
+    else:
+        real = pq.ParquetWriter
+        monkeypatch.setattr(pq, "ParquetWriter", lambda path, *a, **kw: real("/dev/full", *a, **kw))
+        named = r"\.merge-tmp-[^ ]*/part-00000\.parquet"
+    with pytest.raises(DiskFullError, match=rf"^merge: disk full writing {out}/{named}: .*No space left"):
+        run_merge(phase(MergeConfig, **cfg, seed=7))
+    monkeypatch.undo()
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+
+def test_nested_and_non_utf8_lines_are_counted_as_malformed_with_file_and_line(tmp_path):
+    """Thousands of nested brackets (RecursionError in Python's parser) and bytes that are not UTF-8 (which
+    pyarrow's reader would take into a string as they are) are bad lines like any other."""
+    folder = write_dataset(tmp_path / "in", "A", [])
+    path = folder / "tokenized.jsonl"
+    lines = [json.dumps(sample("A", 0, [1, 2, 3])).encode(),
+             b'{"sample_id": "A-\xff", "dataset": "A", "input_ids": [1, 2], "loss_mask": [0, 1]}',
+             json.dumps(sample("A", 2, [4, 5])).encode()]
+    path.write_bytes(b"\n".join(lines) + b"\n")
+    out = run_merge(phase(MergeConfig, inputs=[str(tmp_path / "in")], output_dir=str(tmp_path / "o1"),
+                          vocab_size=VOCAB, max_bad_fraction=1.0))
+    assert out["rows"] == 2 and out["bad_input"] == 1
+    bad = json.loads((tmp_path / "o1" / "stats.json").read_text())["bad_input"]["by_reason"]["malformed_json"]
+    assert bad["examples"] == [f"{path}:2: not UTF-8 text: byte 17 of the line (invalid start byte)"]
+    lines[1] = b'{"sample_id": "A-1", "dataset": "A", "input_ids": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    path.write_bytes(b"\n".join(lines) + b"\n")
+    out = run_merge(phase(MergeConfig, inputs=[str(tmp_path / "in")], output_dir=str(tmp_path / "o2"),
+                          vocab_size=VOCAB, max_bad_fraction=1.0))
+    assert out["rows"] == 2 and out["bad_input"] == 1
+    bad = json.loads((tmp_path / "o2" / "stats.json").read_text())["bad_input"]["by_reason"]["malformed_json"]
+    assert bad["examples"][0].startswith(f"{path}:2: invalid JSON: nested deeper")

@@ -88,3 +88,44 @@ def test_mlflow_hook_reads_the_tracking_uri_and_tests_it(monkeypatch, tmp_path):
     assert op.mapped_values() == {"shard_dirs": ["/s/0"], "mlflow_tracking_uri": uri, "mlflow_experiment": "drafters"}
     monkeypatch.delenv("AIRFLOW_CONN_EAGLE3_MLFLOW")
     assert op.mapped_values() == {"shard_dirs": ["/s/0"]}  # no Connection: TensorBoard only
+
+
+def test_retry_policy_is_the_failure_class_s():
+    """Failures no retry changes fail the task at once (AirflowFailException naming the kind); faults keep the
+    task's retries (the exception passes unchanged). One table of it: docs/operations.md."""
+    from airflow.sdk.exceptions import AirflowFailException
+
+    from eagle3.datagen.run import EmptyDatasetError, FailureBudgetExceeded
+    from eagle3.errors import ConfigError
+    from eagle3.extract.extractor import ExtractOOMError
+    from eagle3.io import DiskFullError
+    from eagle3.launch import RankFailed
+    from eagle3.merge import BadInputError
+    from eagle3.preflight import PreflightError
+    from eagle3_airflow.operators.base import retry_policy
+
+    def outcome(error: BaseException):
+        try:
+            with retry_policy("t"):
+                raise error
+        except AirflowFailException as e:
+            assert e.__cause__ is error
+            return str(e).rsplit("(", 1)[1]
+        except BaseException as e:
+            assert e is error
+            return "retried"
+
+    assert outcome(ConfigError("x")) == "a config error: not retried)"
+    assert outcome(BadInputError("x")) == "bad input over its threshold: not retried)"
+    assert outcome(PreflightError(["no GPU"], {})) == "a pre-check refusal: not retried)"
+    assert outcome(ExtractOOMError("x", retried=False)) == "out of memory: not retried)"  # the memory pre-check
+    assert outcome(EmptyDatasetError("x")) == "no usable sample: not retried)"
+    assert outcome(DiskFullError("x")) == "a full disk: not retried)"
+    assert outcome(FailureBudgetExceeded("x", ["401", "401"])) == "authentication refused: not retried)"
+    assert outcome(FailureBudgetExceeded("x", ["403", "400"])) == "authentication refused: not retried)"
+    assert outcome(FailureBudgetExceeded("x", ["404"])) == "requests the endpoint refuses: not retried)"
+    for fault in (FailureBudgetExceeded("x", ["500"]), FailureBudgetExceeded("x", ["401", "timeout"]),
+                  FailureBudgetExceeded("x", ["connection"]), FailureBudgetExceeded("x", ["429"]),
+                  ExtractOOMError("x"), RankFailed(1, "killed", {1: "killed"}), TimeoutError(),
+                  ConnectionResetError(), OSError("I/O error"), RuntimeError("CUDA error")):
+        assert outcome(fault) == "retried", fault

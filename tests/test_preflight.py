@@ -6,7 +6,7 @@ import stat
 import pytest
 
 from eagle3.errors import ConfigError
-from eagle3.extract.format import bytes_per_token
+from eagle3.fit import bytes_per_token
 from eagle3.preflight import PreflightConfig, PreflightError, parse_nvidia_smi, run_preflight
 from eagle3.sections import TargetConfig
 

@@ -144,3 +144,20 @@ def test_command_on_the_real_wheels_with_a_limit(tmp_path):
     p = subprocess.run([sys.executable, "-m", "eagle3", "prompts", "mtbench", str(tmp_path / "x.jsonl"), "--source",
                         str(tmp_path / "missing.jsonl")], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert p.returncode == 1 and "missing.jsonl" in p.stderr
+
+
+def test_mtbench_source_with_bad_bytes_or_nesting_names_the_file_and_line(tmp_path):
+    src = tmp_path / "question.jsonl"
+    ok = json.dumps({"question_id": 1, "category": "x", "turns": ["a", "b"]}).encode()
+    for line, why in [(b'{"turns": ["caf\xe9"]}', "not UTF-8 text"), (b"[" * 100_000, "nested deeper")]:
+        src.write_bytes(ok + b"\n" + line + b"\n")
+        with pytest.raises(ConfigError, match=rf"{src}:2: .*{why}"):
+            write_mtbench(tmp_path / "out.jsonl", source=src)
+    assert not (tmp_path / "out.jsonl").exists()
+
+
+def test_sharegpt_stream_stops_at_a_deeply_nested_element_and_keeps_the_ones_before():
+    data = b'[{"id": "a"}, ' + b"[" * 100_000 + b"]" * 100_000 + b"]"
+    stream = JsonArrayStream(io.BytesIO(data))
+    assert [obj for _, _, obj in stream] == [{"id": "a"}]
+    assert stream.stop["element"] == 1 and "nested deeper" in stream.stop["reason"]

@@ -3,7 +3,10 @@ it beats the base run by more than the margin; ties keep the base value; sampled
 
 from __future__ import annotations
 
+from dataclasses import replace
 from types import SimpleNamespace
+
+import pytest
 
 from bench.quality_plan import MARGIN, ORDER, main_variant, plan, recipe
 
@@ -48,3 +51,43 @@ def test_main_variant_is_the_base_run_on_every_part_with_the_recipe_on_top():
     assert main.train == {**base.train, "epochs": 6} and main.data.parts == 16
     assert (main.data.storage, main.data.max_seq_len, main.data.answers) == ("float8_e4m3fn", 512, "greedy")
     assert main.ks == [5, 7] and main.eval_new_tokens == 512 and "epochs 6" in main.change
+
+
+def test_round2_studies_run_the_default_recipe_on_growing_data_and_name_their_comparisons():
+    from bench.quality_plan import DEFAULT_RECIPE, studies
+
+    a = args(studies="data,epochs,fp8,selection", all_turns_seq_len=2048, study_data="first", eval_new_tokens=512)
+    rows = {v.name: v for v in studies(a, total_parts=16)}
+    assert list(rows) == ["data3k", "data7k", "data_first", "data_all", "epochs4", "epochs8", "epochs12", "epochs16",
+                          "fp8_first", "best_ckpt_first"]
+    assert [rows[n].data.parts for n in ("data3k", "data7k", "data_first")] == [3, 7, 16]
+    assert rows["data_all"].data.turns == "all" and rows["data_all"].data.storage == "float8_e4m3fn"
+    assert rows["data_all"].data.max_seq_len == 2048 and rows["data_first"].data.max_seq_len == 512
+    # fp8 and the chosen checkpoint differ from data_first in their one knob; the epochs rows in epochs alone
+    assert rows["fp8_first"].data == replace(rows["data_first"].data, storage="float8_e4m3fn")
+    assert rows["best_ckpt_first"].train == {**DEFAULT_RECIPE, "holdout_fraction": 0.02, "validate_every": 200}
+    assert rows["epochs12"].train == {**DEFAULT_RECIPE, "epochs": 12} and rows["epochs12"].data == rows["data_first"].data
+    assert all(v.ks == [5, 7] and v.eval_new_tokens == 512 for v in rows.values())
+    assert [v.name for v in studies(replace_ns(a, studies="fp8_first,data3k"), 16)] == ["fp8_first", "data3k"]
+    with pytest.raises(SystemExit, match="unknown"):
+        studies(replace_ns(a, studies="data99k"), 16)
+
+
+def replace_ns(ns, **kw):
+    return SimpleNamespace(**{**vars(ns), **kw})
+
+
+def test_first_turns_cut_an_all_turn_sample_after_its_first_answer(tmp_path):
+    import json
+
+    from bench.quality_prompts import first_turns
+
+    src = tmp_path / "all"
+    src.mkdir()
+    sample = {"sample_id": "s", "dataset": "P000", "input_ids": [1, 2, 3, 4, 5, 6, 7, 8, 9],
+              "loss_mask": [0, 0, 1, 1, 0, 0, 1, 1, 1], "turns": 2}
+    one = {"sample_id": "t", "dataset": "P000", "input_ids": [1, 2, 3], "loss_mask": [0, 1, 1], "turns": 1}
+    (src / "tokenized.jsonl").write_text(json.dumps(sample) + "\n" + json.dumps(one) + "\n")
+    first_turns(src, tmp_path / "first")
+    got = [json.loads(ln) for ln in (tmp_path / "first" / "tokenized.jsonl").read_text().splitlines()]
+    assert got == [{**sample, "input_ids": [1, 2, 3, 4], "loss_mask": [0, 0, 1, 1], "turns": 1}, one]

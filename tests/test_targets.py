@@ -82,7 +82,9 @@ def test_target_extracts_trains_exports_and_decodes_losslessly(model_type, targe
                         batch_size=2, max_steps=STEPS, lr=3e-3, warmup_ratio=0.1, ttt_steps=3,
                         checkpoint_every=STEPS, seed=0)
     report = train_phase(train)
-    assert report["steps"] == STEPS and report["serving_problems"] == []
+    # both engines capture the trained layers; vLLM (0.33) has no EAGLE-3 hook for GLM-4.5 targets at all
+    vllm_only = ["vLLM (0.33) has no EAGLE-3 hook"] if model_type == "glm4_moe" else []
+    assert report["steps"] == STEPS and [p[:30] for p in report["serving_problems"]] == [v[:30] for v in vllm_only]
     assert report["last"]["loss"] < report["first"]["loss"]
     export = json.loads((Path(report["export_dir"]) / "config.json").read_text())
     drafter = export["eagle3_pipeline"]["drafter_config"]

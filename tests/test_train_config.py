@@ -196,6 +196,6 @@ def test_checkpoints_resume_position_and_refuse_other_params(tiny):
                                           saved["model"]["lm_head.weight"].shape[0], VOCAB))
     opt = torch.optim.AdamW(drafter.parameters())
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
-    assert ck.restore(drafter, opt, sched, out / "metrics.jsonl") == Position(step=2, epoch=saved["epoch"],
-                                                                            batch_pos=saved["batch_pos"])
+    assert ck.restore(drafter, opt, sched, [out / "metrics.jsonl"]) == (
+        Position(step=2, epoch=saved["epoch"], batch_pos=saved["batch_pos"]), None)
     assert [r["step"] for r in read_metrics(out / "metrics.jsonl")] == [1, 2]

@@ -12,7 +12,9 @@ import logging
 import os
 import sys
 
-from eagle3.datagen import DatagenConfig, DatasetSpec, run_datagen
+from eagle3.cli import add_debug, guarded
+from eagle3.errors import ConfigError
+from eagle3.io import BadJSONLine, json_line
 from eagle3.sections import TargetConfig
 
 
@@ -31,17 +33,32 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--server-extra-args")
     ap.add_argument("--gguf")
     ap.add_argument("--ready-timeout", type=float, default=900.0)
+    add_debug(ap)
     a = ap.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    logging.basicConfig(level=logging.DEBUG if a.debug else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    return guarded("python -m eagle3.datagen", lambda: run(a), a.debug)
 
-    spec_obj = json.loads(open(a.spec).read()) if os.path.isfile(a.spec) else json.loads(a.spec)
-    spec = DatasetSpec.from_dict(spec_obj, where=a.spec if os.path.isfile(a.spec) else "--spec")
+
+def json_arg(name: str, text: str):
+    try:
+        return json_line(text)
+    except BadJSONLine as e:
+        raise ConfigError(f"{name}: {e}") from None
+
+
+def run(a: argparse.Namespace) -> int:
+    from eagle3.datagen import DatagenConfig, DatasetSpec, run_datagen
+
+    from_file = os.path.isfile(a.spec)
+    spec_obj = json_arg(a.spec, open(a.spec, "rb").read()) if from_file else json_arg("--spec", a.spec)
+    spec = DatasetSpec.from_dict(spec_obj, where=a.spec if from_file else "--spec")
     local = a.server_command is not None
     cfg = DatagenConfig(target=TargetConfig(model_path=a.tokenizer), output_dir=a.out,
                         mode="local" if local else "remote",
                         conn_id=None if local else "--base-url",  # here the endpoint is an argument, not a Connection
                         served_model_name=a.model, server_command=a.server_command or None,
-                        server_extra_args=a.server_extra_args, gguf=a.gguf, client=json.loads(a.client),
+                        server_extra_args=a.server_extra_args, gguf=a.gguf, client=json_arg("--client", a.client),
                         server_ready_timeout_s=a.ready_timeout)
     report = run_datagen(spec, cfg, base_url=a.base_url, api_key=os.environ.get(a.api_key_env, "EMPTY"))
     print(json.dumps({k: report[k] for k in ("dataset", "rows", "tokens", "missing", "dropped", "cost_usd")}))

@@ -14,6 +14,8 @@ A value the user gave is kept as it is. The choice and its reason go to prefligh
 from __future__ import annotations
 
 import importlib.util
+import re
+import shlex
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -59,6 +61,54 @@ def find_gguf(model_path: str) -> str | None:
     return None
 
 
+# Named servers the form may ask for without free-form commands (eagle3.settings.ALLOW_SERVER_COMMAND), and the
+# serving flags their server_extra_args may hold: none of them loads code or reads files named by the form.
+VLLM_COMMAND = ("python -m vllm.entrypoints.openai.api_server --model {model_path} --host {host} --port {port} "
+                "--served-model-name " + SGLANG_SERVED_NAME)
+NAMED_SERVERS = ("sglang", "vllm", "llama.cpp")
+SERVER_FLAGS = {
+    "sglang": {"--tp", "--tp-size", "--dp", "--dp-size", "--mem-fraction-static", "--context-length", "--dtype",
+               "--quantization", "--kv-cache-dtype", "--max-running-requests", "--max-total-tokens",
+               "--chunked-prefill-size", "--attention-backend", "--cuda-graph-max-bs", "--disable-radix-cache",
+               "--disable-cuda-graph", "--enable-torch-compile", "--random-seed"},
+    "vllm": {"--tensor-parallel-size", "-tp", "--data-parallel-size", "-dp", "--gpu-memory-utilization",
+             "--max-model-len", "--dtype", "--quantization", "--kv-cache-dtype", "--max-num-seqs",
+             "--max-num-batched-tokens", "--enforce-eager", "--seed", "--no-enable-prefix-caching"},
+    "llama.cpp": {"--n_ctx", "--n_threads", "--n_batch", "--n_gpu_layers", "--seed"},
+}
+FLAG_VALUE = re.compile(r"^[A-Za-z0-9._:+]+$")
+
+
+def check_form_server(server_command: str | None, extra_args: str | None) -> list[str]:
+    """What the trigger form may ask of the local datagen server, unless the deployment allows free-form commands:
+    auto, null (SGLang) or a named server, and for it only the serving flags SERVER_FLAGS lists."""
+    from eagle3.settings import ALLOW_SERVER_COMMAND, enabled
+
+    if enabled(ALLOW_SERVER_COMMAND):
+        return []
+    problems = []
+    if server_command not in (AUTO, None, *NAMED_SERVERS):
+        problems.append(f"datagen param server_command {server_command!r}: free-form server commands are off in this "
+                        f"deployment (a form value runs as a program on the workers); use auto or one of "
+                        f"{list(NAMED_SERVERS)}, or ask the deployment to set EAGLE3_ALLOW_SERVER_COMMAND=true")
+    engine = server_command if server_command in NAMED_SERVERS else "sglang"
+    allowed = set().union(*SERVER_FLAGS.values()) if server_command == AUTO else SERVER_FLAGS[engine]
+    try:
+        words = shlex.split(extra_args or "")
+    except ValueError as e:  # an unclosed quote
+        return problems + [f"datagen param server_extra_args {extra_args!r}: {e}"]
+    for tok in words:
+        flag = tok.split("=", 1)[0]
+        ok = flag in allowed if tok.startswith("-") else bool(FLAG_VALUE.match(tok))
+        if tok.startswith("-") and "=" in tok:
+            ok = ok and bool(FLAG_VALUE.match(tok.split("=", 1)[1]))
+        if not ok:
+            problems.append(f"datagen param server_extra_args: {tok!r} is not a serving flag this deployment allows "
+                            f"for {engine if server_command != AUTO else 'the auto-chosen server'} "
+                            f"({sorted(allowed)}; values: letters, digits, . _ : +)")
+    return problems
+
+
 def resolve_server(mode: str, model_path: str, server_command: str | None, gguf: str | None,
                    served_model_name: str, gpus: int | None = None) -> ServerChoice:
     """Resolve the "auto" values of the datagen server (see the module doc); `gpus` None = ask torch."""
@@ -67,6 +117,8 @@ def resolve_server(mode: str, model_path: str, server_command: str | None, gguf:
             raise ConfigError("datagen param served_model_name: 'auto' works only for a local server; in remote "
                               "mode give the endpoint's model name")
         return ServerChoice(None, None, served_model_name, "remote", "datagen_mode remote")
+    if server_command in NAMED_SERVERS:
+        return _named(server_command, model_path, gguf, served_model_name)
     if server_command != AUTO:
         gguf = find_gguf(model_path) if gguf == AUTO else gguf
         name = SGLANG_SERVED_NAME if served_model_name == AUTO else served_model_name
@@ -94,6 +146,25 @@ def resolve_server(mode: str, model_path: str, server_command: str | None, gguf:
                           f"none was found for {model_path}: set the gguf param (or server_command)")
     alias = LLAMA_CPP_ALIAS if served_model_name == AUTO else served_model_name
     return ServerChoice(command_template(alias), path, alias, "llama.cpp", why)
+
+
+def _named(engine: str, model_path: str, gguf: str | None, served_model_name: str) -> ServerChoice:
+    from eagle3.datagen.llama_cpp_server import command_template
+    from eagle3.datagen.server import DEFAULT_SERVER_COMMAND
+
+    if engine == "llama.cpp":
+        path = find_gguf(model_path) if gguf in (AUTO, None) else gguf
+        if not path:
+            raise ConfigError(f"datagen server_command 'llama.cpp' serves a GGUF file, but none was found for "
+                              f"{model_path}: set the gguf param")
+        alias = LLAMA_CPP_ALIAS if served_model_name == AUTO else served_model_name
+        return ServerChoice(command_template(alias), path, alias, engine, "server_command llama.cpp")
+    if served_model_name not in (AUTO, SGLANG_SERVED_NAME):
+        raise ConfigError(f"datagen param served_model_name {served_model_name!r}: the named {engine} server serves "
+                          f"the model as {SGLANG_SERVED_NAME!r}; leave it auto")
+    command = DEFAULT_SERVER_COMMAND if engine == "sglang" else VLLM_COMMAND
+    return ServerChoice(command, None if gguf == AUTO else gguf, SGLANG_SERVED_NAME, engine,
+                        f"server_command {engine}")
 
 
 def resolved_config(cfg):

@@ -24,8 +24,8 @@ from urllib.parse import urlsplit, urlunsplit
 import openai
 
 from eagle3.datagen.prompts import Prompt
-from eagle3.datagen.redact import redact, redacting_logger, register_secret
 from eagle3.datagen.config import ClientConfig, DatasetSpec
+from eagle3.datagen.redact import redact, redact_secrets, redacting_logger, register_secret
 
 log = redacting_logger(__name__)
 # one INFO line per HTTP request drowns the progress lines at 2000 in flight
@@ -33,6 +33,7 @@ for _name in ("httpx", "httpx2", "openai"):
     logging.getLogger(_name).setLevel(logging.WARNING)
 
 RETRYABLE_STATUS = {408, 409, 429}
+AUTH_STATUS = {401, 403}
 SDK_PARAMS = {"model", "messages", "max_tokens", "temperature", "top_p", "seed"}
 MAX_RETRY_AFTER_S = 120.0
 TOO_LONG = "too_long"
@@ -87,6 +88,7 @@ class RunStats:
     done: int = 0
     failed: int = 0  # counted against the failure budget
     too_long: int = 0  # prompts the endpoint rejected as longer than its context: bad input, not failures
+    redacted_secrets: int = 0  # API keys masked in answers
     requests: int = 0  # successful HTTP completions
     prompt_tokens: int = 0
     completion_tokens: int = 0
@@ -109,6 +111,16 @@ class RunStats:
                 f"{self.requests / el:.1f} req/s "
                 f"{(self.prompt_tokens + self.completion_tokens) / el:.0f} tok/s "
                 f"(out {self.completion_tokens / el:.0f}) ${cost:.4f} elapsed {el:.0f}s ETA {_fmt_eta(eta)}")
+
+
+def reason_retried(reason: str) -> bool:
+    """Whether a later try may not meet this failure reason again: timeouts, connection errors, bad answers,
+    HTTP 408/409/429 and 5xx may pass; any other status (401/403: the key; 400, 404...) will not."""
+    return not reason.isdigit() or int(reason) in RETRYABLE_STATUS or int(reason) >= 500
+
+
+def reason_label(reason: str) -> str:
+    return f"HTTP {reason}" if reason.isdigit() else reason
 
 
 def _fmt_eta(s: float) -> str:
@@ -279,6 +291,8 @@ async def generate_sample(client, prompt: Prompt, spec: DatasetSpec, cfg: Client
             reason = choice.get("finish_reason")
         except (KeyError, IndexError, TypeError, AttributeError):
             raise SampleFailed("bad_response", f"no choices[0].message in {str(resp)[:200]}", attempts) from None
+        text, n = redact_secrets(text)  # an endpoint that answers with the key: not into the training data
+        stats.redacted_secrets += n
         usage = resp.get("usage") or {}
         pt, ct = int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or 0)
         p_tok, c_tok = p_tok + pt, c_tok + ct
@@ -325,8 +339,8 @@ async def generate_all(client, prompts: list[Prompt], spec: DatasetSpec, cfg: Cl
                 stats.failures[e.reason] += 1
                 on_failed(prompt, e)
                 if stats.failed > budget and not stats.aborted:
-                    stats.aborted = (f"{stats.failed} failed samples exceed the failure budget "
-                                     f"({cfg.max_failed_fraction:.2%} of {size} prompts = {budget})")
+                    stats.aborted = (f"more than the failure budget allows (max_failed_fraction "
+                                     f"{cfg.max_failed_fraction:.2%} of {size} prompts = {budget} samples)")
                 continue
             on_done(rec)
             stats.done += 1

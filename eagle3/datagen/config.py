@@ -128,11 +128,13 @@ class DatagenConfig:
                                   help="model name sent in each request (what the endpoint serves); auto = what "
                                        "the auto-chosen local server serves")
     server_command: str | None = knob("auto", param="server_command", section="Data generation",
-                                      help="local server command ({model_path} {port} {host} {gguf}); auto = SGLang "
-                                           "on a GPU, else llama.cpp on the model's GGUF (preflight says which); "
-                                           "null = SGLang")
+                                      help="local server: auto = SGLang on a GPU, else llama.cpp on the model's GGUF "
+                                           "(preflight says which); sglang, vllm or llama.cpp; null = SGLang; a "
+                                           "command template ({model_path} {port} {host} {gguf}) only where the "
+                                           "deployment allows free-form commands (docs/operations.md)")
     server_extra_args: str | None = knob(None, param="server_extra_args", section="Data generation",
-                                         help="extra flags for the local server, e.g. '--tp 8'")
+                                         help="extra flags for the local server, e.g. '--tp 8' (serving flags only, "
+                                              "unless the deployment allows free-form commands)")
     gguf: str | None = knob("auto", param="gguf", section="Data generation",
                             help="GGUF file for servers that take one ({gguf} in server_command); auto = a *.gguf "
                                  "in model_path, or the packaged one of the demo model")

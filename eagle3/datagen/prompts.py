@@ -13,12 +13,12 @@ run or is skipped and counted, per the spec's `on_bad_line`.
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from eagle3.errors import ConfigError
+from eagle3.io import BadJSONLine, json_line, not_a_file
 
 log = logging.getLogger(__name__)
 
@@ -116,7 +116,7 @@ def sample_id(dataset: str, raw_line: bytes, occurrence: int = 0) -> str:
 def read_prompts(path: str | Path, dataset: str, on_bad_line: str = "fail", limit: int | None = None) -> PromptSet:
     path = Path(path)
     if not path.is_file():
-        raise ConfigError(f"dataset {dataset!r}: prompt_file {path} does not exist")
+        raise ConfigError(f"dataset {dataset!r}: prompt_file {path} {not_a_file(path)}")
     out = PromptSet(path=str(path), prompts=[])
     seen: dict[str, int] = {}
     with open(path, "rb") as f:
@@ -124,12 +124,8 @@ def read_prompts(path: str | Path, dataset: str, on_bad_line: str = "fail", limi
             if not raw.strip():
                 continue
             try:
-                try:
-                    obj = json.loads(raw)
-                except (json.JSONDecodeError, UnicodeDecodeError) as e:
-                    raise BadLine(f"invalid JSON ({e})") from None
-                system, users = parse_prompt_line(obj)
-            except BadLine as e:
+                system, users = parse_prompt_line(json_line(raw))
+            except (BadLine, BadJSONLine) as e:
                 msg = f"{path}:{line_no}: {e}"
                 if on_bad_line == "fail":
                     raise ConfigError(f"dataset {dataset!r}: bad prompt line {msg} (set on_bad_line='skip' to skip)")

@@ -29,7 +29,7 @@ from pathlib import Path
 
 from eagle3.datagen.prompts import SHAREGPT_ROLES, BadLine, parse_prompt_line
 from eagle3.errors import ConfigError
-from eagle3.io import atomic_path
+from eagle3.io import BadJSONLine, atomic_path, json_line, not_a_file
 
 log = logging.getLogger(__name__)
 
@@ -138,6 +138,10 @@ class JsonArrayStream:
                         what = "the file ends inside it" if self.eof and at_edge else f"{e.msg} at byte {at}"
                         self._stopped(f"element {self.index} starting at byte {self.byte} is incomplete: {what}")
                         return
+                except RecursionError:  # thousands of nested brackets: no way to find where the element ends
+                    self._stopped(f"element {self.index} starting at byte {self.byte} is nested deeper than the "
+                                  f"parser follows")
+                    return
                 self._more()
             start = self.byte
             self._consume(end)
@@ -207,17 +211,15 @@ def mtbench_turns(obj) -> list[str]:
 def read_mtbench(path: str | Path | None = None) -> list[dict]:
     path = Path(path) if path else mtbench_source()
     if not path.is_file():
-        raise ConfigError(f"MT-bench questions: {path} does not exist")
+        raise ConfigError(f"MT-bench questions: {path} {not_a_file(path)}")
     out = []
-    for n, raw in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+    for n, raw in enumerate(path.read_bytes().splitlines(), 1):
         if not raw.strip():
             continue
         try:
-            q = json.loads(raw)
+            q = json_line(raw)
             mtbench_turns(q)
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{path}:{n}: invalid JSON ({e})") from None
-        except BadLine as e:
+        except (BadJSONLine, BadLine) as e:
             raise ConfigError(f"{path}:{n}: {e}") from None
         out.append(q)
     if not out:
@@ -244,7 +246,7 @@ def write_sharegpt(out: str | Path, limit: int = 0, source: str | Path | None = 
     t0 = time.time()
     src = Path(source) if source else sharegpt_source()
     if not src.is_file():
-        raise ConfigError(f"ShareGPT source: {src} does not exist")
+        raise ConfigError(f"ShareGPT source: {src} {not_a_file(src)}")
     questions = [_norm(t) for q in read_mtbench(mtbench) for t in q["turns"]]
     seen: set[str] = set()
     lines, skipped, examples = [], Counter(), []

@@ -2,7 +2,8 @@
 
 An endpoint can echo what it was sent (an Authorization header in a 401 body) and a base URL can carry
 `user:key@`, so every text that leaves the process passes `redact()` first: the registered key values,
-`Bearer <token>`, `Authorization: <value>` and URL userinfo become `***`.
+`Bearer <token>`, `Authorization: <value>` and URL userinfo become `***`. An answer (200) that holds a key is
+stored with the key masked (`redact_secrets`) and counted in the report (`this_run.redacted_secrets`).
 """
 
 from __future__ import annotations
@@ -27,6 +28,17 @@ def register_secret(value: str | None) -> None:
     """Mask `value` wherever it appears from now on (the API key of an endpoint)."""
     if value and len(value) >= MIN_SECRET_LEN:
         _secrets.add(value)
+
+
+def redact_secrets(text: str) -> tuple[str, int]:
+    """Only the registered key values masked, and how many: what an answer (the training data) gets; the
+    header patterns of `redact` would garble an answer that explains them."""
+    n = 0
+    for secret in sorted(_secrets, key=len, reverse=True):
+        if secret in text:
+            n += text.count(secret)
+            text = text.replace(secret, MASK)
+    return text, n
 
 
 def redact(text: str) -> str:

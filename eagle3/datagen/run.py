@@ -29,8 +29,9 @@ from pathlib import Path
 from typing import Callable, ContextManager, Iterator
 
 from eagle3.datagen.auto_server import resolved_config
+from eagle3.datagen.client import (AUTH_STATUS, Endpoint, RunStats, SampleFailed, cost_usd, generate_all, make_client,
+                                   reason_label, reason_retried)
 from eagle3.datagen.contract import TOKENIZED, tokenized_line
-from eagle3.datagen.client import Endpoint, RunStats, SampleFailed, cost_usd, generate_all, make_client
 from eagle3.datagen.prompts import MAX_REPORTED_BAD_LINES, Prompt, read_prompts
 from eagle3.datagen.redact import redact, redacting_logger, register_secret
 from eagle3.datagen.server import DEFAULT_SERVER_COMMAND, LocalServer
@@ -38,6 +39,7 @@ from eagle3.datagen.config import ClientConfig, DatagenConfig, DatasetSpec
 from eagle3.datagen.store import AppendWriter, iter_records, repair_tail, scan_and_repair
 from eagle3.datagen.tokenize import MaskMismatch, tokenize_conversation
 from eagle3.errors import ConfigError, PipelineError
+from eagle3.identity import tokenizer_identity
 from eagle3.io import (DiskFullError, PhaseOutput, atomic_path, atomic_write_json, fingerprint, read_json,
                        remove_stale_temps, sha256_file)
 
@@ -57,7 +59,21 @@ EndpointSource = Callable[[], ContextManager[Endpoint]]
 
 
 class FailureBudgetExceeded(PipelineError):
-    pass
+    """More samples failed than the budget allows; retried only if some failure may pass on a later try
+    (a 5xx, a timeout, a reset connection), not when every one was refused (401/403: a wrong key; 400...)."""
+
+    def __init__(self, message: str, reasons: list[str]):
+        super().__init__(message, retried=any(reason_retried(r) for r in reasons))
+        auth = {str(s) for s in AUTH_STATUS} & set(reasons)
+        self.kind = ("authentication refused" if auth and not self.retried else
+                     "requests the endpoint refuses" if not self.retried else "a fault")
+
+
+class EmptyDatasetError(PipelineError):
+    """Every answer of a dataset was dropped or failed: nothing to train on, and the same run drops them again."""
+
+    retried = False
+    kind = "no usable sample"
 
 
 def generation_fingerprint(spec: DatasetSpec, cfg: ClientConfig) -> str:
@@ -147,7 +163,7 @@ def tokenize_dataset(folder: Path, prompts: list[Prompt], spec: DatasetSpec, tok
 def run_fingerprint(spec: DatasetSpec, cfg: ClientConfig, tokenizer_path) -> str:
     return fingerprint({"gen": generation_fingerprint(spec, cfg), "prompts_sha256": sha256_file(spec.prompt_file),
                         "limit": spec.limit, "on_bad_line": spec.on_bad_line, "drop_truncated": spec.drop_truncated,
-                        "refusal_patterns": spec.refusal_patterns, "tokenizer": str(tokenizer_path)})
+                        "refusal_patterns": spec.refusal_patterns, "tokenizer": tokenizer_identity(tokenizer_path)})
 
 
 def _tokenized_matches(folder: Path) -> Callable[[dict], bool]:
@@ -225,7 +241,7 @@ def _run_dataset(spec: DatasetSpec, cfg: ClientConfig, endpoint: Endpoint | Endp
             "tokens_per_s": round((stats.prompt_tokens + stats.completion_tokens) / wall, 1) if wall else 0.0,
             "completion_tokens_per_s": round(stats.completion_tokens / wall, 1) if wall else 0.0,
             "cost_usd": round(cost_usd(stats.prompt_tokens, stats.completion_tokens, cfg), 6),
-            "aborted": stats.aborted,
+            "aborted": stats.aborted, "redacted_secrets": stats.redacted_secrets,
         },
         "generated": tok["generated"], "missing": len(pset.prompts) - tok["generated"] - len(too_long),
         "dropped": tok["dropped"], "dropped_examples": tok["dropped_examples"],
@@ -238,13 +254,21 @@ def _run_dataset(spec: DatasetSpec, cfg: ClientConfig, endpoint: Endpoint | Endp
         "sampling": spec.sampling_params(),
     }
     budget_blown = stats.aborted is not None
-    report["status"] = "failed" if budget_blown else "complete"
+    report["status"] = "failed" if budget_blown or not tok["rows"] else "complete"
     atomic_write_json(folder / REPORT, report)
     if budget_blown:
-        top = ", ".join(f"{k}: {v}" for k, v in stats.failures.most_common())
+        top = ", ".join(f"{reason_label(k)}: {v}" for k, v in stats.failures.most_common())
+        auth = [s for s in AUTH_STATUS if str(s) in stats.failures]
+        hint = (f"; HTTP {auth[0]}: the endpoint refuses the API key (the Connection's password, or the variable "
+                f"named by --api-key-env)" if auth else "")
         raise FailureBudgetExceeded(
-            f"{spec.name}: {stats.aborted}; failures by reason: {top}; see {folder / ERRORS} "
-            f"({stats.done} samples were generated and kept: a re-run resumes)")
+            f"{spec.name}: {stats.failed} samples failed, {stats.aborted}; failures by reason: {top}{hint}; see "
+            f"{folder / ERRORS} ({stats.done} samples were generated and kept: a re-run resumes)", list(stats.failures))
+    if not tok["rows"]:
+        raise EmptyDatasetError(no_rows_message(report, folder))
+    if stats.redacted_secrets:
+        log.warning("%s: the endpoint's answers held the API key %d times: masked as *** in the stored answers",
+                    spec.name, stats.redacted_secrets)
     if report["missing"]:
         log.warning("%s: %d prompts failed within the budget (max_failed_fraction=%s): listed in %s",
                     spec.name, report["missing"], cfg.max_failed_fraction, folder / ERRORS)
@@ -256,6 +280,29 @@ def _run_dataset(spec: DatasetSpec, cfg: ClientConfig, endpoint: Endpoint | Endp
              spec.name, tok["rows"], tok["tokens"], tok["loss_tokens"], tok["dropped"], len(too_long),
              report["missing"], report["cost_usd"], folder)
     return report
+
+
+# what to change when every answer was dropped for a reason
+NO_ROWS_ADVICE = {
+    "truncated": "raise the dataset's max_tokens (answers hit it) or set drop_truncated=false",
+    "refused": "check the dataset's refusal_patterns (every answer matched one)",
+    "empty": "check the endpoint's answers in generations.jsonl (every one was empty)",
+    "mask_mismatch": "the target's chat template does not reproduce the answers (see the task log)",
+    "too_long": "use shorter prompts or a server with a longer context",
+    "failed": "see errors.jsonl",
+}
+
+
+def no_rows_message(report: dict, folder: Path) -> str:
+    counts = {**{k: v for k, v in report["dropped"].items() if v}, "too_long": report["too_long"],
+              "failed": report["missing"]}
+    counts = {k: v for k, v in counts.items() if v}
+    what = ", ".join(f"{k} {v}" for k, v in counts.items()) or "none generated"
+    todo = "; ".join(f"{k}: {NO_ROWS_ADVICE[k]}" for k in counts)
+    return (f"dataset {report['dataset']}: no usable sample: of {report['prompts']} prompts ({report['bad_lines']} "
+            f"bad lines skipped) none is left: {what}. What to change: {todo or 'add prompts'}; see "
+            f"{folder / REPORT} (the answers in {folder / GENERATIONS} are kept: a re-run with other drop rules "
+            f"does not ask again)")
 
 
 def _too_long_lines(folder: Path, prompts: list[Prompt], prompt_file: str) -> list[str]:

@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from eagle3.io import atomic_path, disk_full_error, is_disk_full
+from eagle3.io import atomic_path, names_disk_full
 
 log = logging.getLogger(__name__)
 
@@ -155,7 +155,7 @@ class AppendWriter:
     def write(self, record: dict) -> None:
         assert next(iter(record)) == "sample_id", "sample_id must be the first key (resume scan relies on it)"
         data = (json.dumps(record, ensure_ascii=False) + "\n").encode()
-        try:
+        with names_disk_full(self.path):
             # one write() per line on an O_APPEND fd: a kill (or a full disk) leaves at most the last line
             # partial, which the resume scan cuts
             n = os.write(self._fd, data)
@@ -165,21 +165,14 @@ class AppendWriter:
             if now - self._last_sync >= self._fsync_every_s:
                 os.fsync(self._fd)
                 self._last_sync = now
-        except OSError as e:
-            if is_disk_full(e):
-                raise disk_full_error(self.path, e) from e
-            raise
 
     def close(self) -> None:
         if self._fd < 0:
             return
         fd, self._fd = self._fd, -1
         try:
-            os.fsync(fd)
-        except OSError as e:
-            if is_disk_full(e):
-                raise disk_full_error(self.path, e) from e
-            raise
+            with names_disk_full(self.path):
+                os.fsync(fd)
         finally:
             os.close(fd)
 

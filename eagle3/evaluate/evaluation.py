@@ -18,7 +18,6 @@ answers that hit max_new_tokens, and the same per turn and per category.
 from __future__ import annotations
 
 import importlib
-import json
 import logging
 import time
 from collections import defaultdict
@@ -27,6 +26,7 @@ from pathlib import Path
 
 from eagle3.errors import ConfigError
 from eagle3.evaluate.speculative import Answer, SpecStats, tau_breakdown, tau_of
+from eagle3.io import BadJSONLine, json_line, not_a_file
 
 log = logging.getLogger(__name__)
 
@@ -73,18 +73,18 @@ def read_conversations(path: str | Path) -> list[EvalConversation]:
         path = mtbench_source()
     path = Path(path)
     if not path.is_file():
-        raise ConfigError(f"eval param prompts_file: {path} does not exist")
+        raise ConfigError(f"eval param prompts_file: {path} {not_a_file(path)}")
     out = []
-    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+    for n, line in enumerate(path.read_bytes().splitlines(), 1):
         if not line.strip():
             continue
         try:
-            obj = json.loads(line)
+            obj = json_line(line)
             if isinstance(obj, dict) and "turns" in obj:
                 turns, system = mtbench_turns(obj), None
             else:
                 system, turns = parse_prompt_line(obj)
-        except (json.JSONDecodeError, BadLine) as e:
+        except (BadJSONLine, BadLine) as e:
             raise ConfigError(f"{path}:{n}: {e} (expected MT-bench {{\"turns\": [...]}} or a prompt line: "
                               f"{{\"prompt\"}}, {{\"messages\"}} or {{\"conversations\"}})") from None
         out.append(EvalConversation(list(turns), system, str(obj.get("category") or "all"),

@@ -13,6 +13,8 @@ import torch
 
 from eagle3.errors import PipelineError
 from eagle3.evaluate.config import EvalConfig
+from eagle3.evaluate.evaluation import MTBENCH
+from eagle3.identity import file_identity, model_identity
 from eagle3.io import PhaseOutput, atomic_path, atomic_write_json, fingerprint, sha256_file
 from eagle3.train.export import WEIGHTS_FILE, load_exported
 from eagle3.train.trainer import pick_device
@@ -119,8 +121,11 @@ def evaluate_phase(cfg: EvalConfig) -> dict:
     if not export_cfg.is_file():
         raise PipelineError(f"eval param export_dir: {cfg.export_dir} holds no drafter export (no config.json)")
     # how, not what: the ranks the target runs in do not change the answers
-    params = {k: v for k, v in asdict(cfg).items() if k not in ("target", "rank_timeout_s")}
-    params["model_path"] = cfg.target.model_path
+    params = {k: v for k, v in asdict(cfg).items()
+              if k not in ("target", "rank_timeout_s", "output_dir", "export_dir", "prompts_file")}
+    # what, not where: the target, the prompts and the export by content
+    params["model"] = model_identity(cfg.target.model_path)
+    params["prompts"] = cfg.prompts_file if cfg.prompts_file == MTBENCH else file_identity(cfg.prompts_file)
     record = PhaseOutput(out, fingerprint({**params, "export_sha256": sha256_file(Path(cfg.export_dir) /
                                                                                    WEIGHTS_FILE)}), REPORT)
     if (done := record.completed()) is not None:

@@ -17,6 +17,7 @@ from typing import Protocol
 import torch
 
 from eagle3.errors import ConfigError
+from eagle3.extract import moe
 from eagle3.models import ModelInfo, model_info
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -159,8 +160,10 @@ class HFBackend:
     """
 
     def __init__(self, model=None, info: ModelInfo | None = None, compile: bool = False, attention: str = "auto",
-                 tp_plan: str | None = None):
+                 tp_plan: str | None = None, experts: str = "auto", compile_scope: str = "auto"):
         self.model = model  # a preloaded *ForCausalLM (the benchmark builds random-weight ones)
+        self.experts, self.compile_scope = experts, compile_scope  # eagle3.extract.moe
+        self.resolved: dict = {}
         self.tp_plan = tp_plan
         self.info = info
         self.compile = compile
@@ -172,24 +175,30 @@ class HFBackend:
     def load(self, model_path: str, dtype: str, device: str, capture_layers: list[int]) -> None:
         check_attention(self.attention, device)
         load_decoder(self, model_path, dtype, device, capture_layers, tp_plan=self.tp_plan)
+        self.resolved = moe.resolve(self.model, self.experts, self.compile_scope)
+        moe.apply_experts_implementation(self.model, self.resolved["experts_implementation"])
         layers = self.base.layers
         for h in self._hooks:
             h.remove()
         self._hooks = []
-        if self.compile:
-            self._compile(layers)
+        self._compile(moe.compile_targets(self.base, self.resolved["compile_scope"]) if self.compile else [])
         # hidden_states[i] is the output of layer i-1 (index 0: the embedding output)
         for i in sorted(set(capture_layers)):
             module = self.base.embed_tokens if i == 0 else layers[i - 1]
             self._hooks.append(module.register_forward_hook(self._make_hook(i)))
 
-    def _compile(self, layers) -> None:
-        """Regional compilation: each decoder layer's forward (and the final norm) is compiled, with
-        dynamic batch and length, fusing the elementwise work eager mode runs as separate kernels
-        (RMSNorm's fp32 upcast, RoPE, SiLU x up, residual adds). The layers share one code object, so
-        one graph serves them all; the capture hooks stay outside the compiled region. A preloaded model
-        compiled before for another kernel is compiled again from its eager forward (compile_for's caches)."""
-        for module in [*layers, self.base.norm]:
+    def _compile(self, modules) -> None:
+        """Regional compilation: each decoder layer's forward (and the final norm), or only the MoE blocks
+        (compile_scope), is compiled with dynamic batch and length, fusing the elementwise work eager mode runs
+        as separate kernels (RMSNorm's fp32 upcast, RoPE, SiLU x up, residual adds, the routing). The layers
+        share one code object, so one graph serves them all; the capture hooks stay outside the compiled region.
+        A preloaded model compiled before for another kernel is compiled again from its eager forward
+        (compile_for's caches)."""
+        for module in self.model.modules():  # compiled before for another scope, or compile is off now
+            if "_eagle3_eager_forward" in module.__dict__ and not any(module is m for m in modules):
+                module.forward = module.__dict__.pop("_eagle3_eager_forward")
+                module._eagle3_compiled = None
+        for module in modules:
             if getattr(module, "_eagle3_compiled", None) != self.attention:
                 eager = module.__dict__.get("_eagle3_eager_forward", module.forward)
                 module._eagle3_eager_forward = eager

@@ -16,6 +16,7 @@ import re
 from dataclasses import dataclass
 
 from eagle3.errors import ConfigError
+from eagle3.identity import model_identity
 from eagle3.knobs import check_knobs, knob, knob_meta, param_label
 from eagle3.sections import DTYPE_CHOICES, TargetConfig
 
@@ -24,7 +25,13 @@ FP8 = "float8_e4m3fn"  # optional storage: e4m3 values with one fp32 scale per t
 STORAGE_DTYPE_CHOICES = (*DTYPE_CHOICES, FP8)
 BACKEND_CHOICES = ("hf", "fused-llama")
 ATTENTION_CHOICES = ("auto", "flash", "cudnn", "efficient", "math")
-STATE_PARAMS = ("model_path", "capture_layers", "dtype", "storage_dtype", "backend", "attention")
+# (the choices are eagle3.extract.moe's, repeated here to keep this module torch-free; a test holds them equal)
+EXPERTS_CHOICES = ("auto", "eager", "batched_mm", "grouped_mm")
+COMPILE_SCOPES = ("auto", "layers", "moe-blocks")
+STATE_PARAMS = ("model_path", "capture_layers", "dtype", "storage_dtype", "backend", "attention",
+                "experts_implementation")
+# state params added after shards were extracted without them: what those shards ran with
+ADDED_STATE_PARAMS = {"experts_implementation": "auto"}
 PLAN_PARAMS = ("token_budget", "chunk_mb", "pad_multiple")
 # a number or "auto", resolved where the task runs (eagle3.extract.extractor.resolve_for_device)
 DEVICE_AUTO_PARAMS = ("token_budget", "chunk_mb", "pad_multiple")
@@ -59,13 +66,24 @@ class ExtractConfig:
     verify_existing: bool = knob(False, help="Re-hash committed chunks on a resume or a finished re-run.")
     log_every_s: float = knob(10.0, gt=0, help="Seconds between progress lines (one is logged at every commit too).")
     memory_headroom: float = knob(0.9, gt=0, max=1,
-                                  help="The budget's estimated memory must fit this fraction of the free memory.")
+                                  help="The largest planned batch's estimated memory must fit this fraction of the free memory.")
     # auto = on a GPU (1.3-1.5x on the H200, docs/benchmarks.md; the first batch pays 13-25 s of compilation)
     compile: bool | str = knob("auto", help="torch.compile each decoder layer: true, false or auto (on on a GPU).")
     backend: str = knob("hf", choices=BACKEND_CHOICES, param="extract_backend", section=SECTION,
                         help="hf: HF transformers modules; fused-llama: fused q/k/v and gate/up GEMMs (Llama family).")
     attention: str = knob("auto", choices=ATTENTION_CHOICES, param="extract_attention", section=SECTION,
                           help="SDPA kernel of the forward: auto (torch picks), flash, cudnn, efficient, math.")
+    # MoE targets only (eagle3.extract.moe.CLASS_DEFAULTS: auto = the default of the target's class)
+    experts_implementation: str = knob(
+        "auto", choices=EXPERTS_CHOICES, param="extract_experts_implementation", section=SECTION,
+        help="MoE targets: transformers' experts kernel (eager, batched_mm, grouped_mm); auto = the measured "
+             "default of the target's class.")
+    compile_scope: str = knob("auto", choices=COMPILE_SCOPES,
+                              help="What is compiled: layers (each decoder layer), moe-blocks (only the MoE "
+                                   "blocks); auto = the default of the target's class.")
+    compile_cache_dir: str = knob("auto", help="torch's compile caches, shared by the shard tasks of a worker: auto "
+                                               "= $EAGLE3_COMPILE_CACHE or ~/.cache/eagle3/compile/<host>; off = "
+                                               "torch's default; else a folder (eagle3.extract.compile_cache).")
     # cuDNN attention builds a host-side plan per new (rows, length), ~40-60 ms on the H200, which at the 135M
     # shape made a run over new shapes 2.8x slower than over known ones (docs/benchmarks.md, run 9)
     # tp_size is the target's (TargetConfig.tp_size): rank 0 alone captures and writes (the residual stream is
@@ -92,7 +110,8 @@ class ExtractConfig:
     def state_params(self) -> dict:
         """The values that define the stored states (after resolve_for_device: no "auto" left in them)."""
         t = self.target
-        shared = {"model_path": t.model_path, "capture_layers": t.capture_layers, "dtype": t.dtype}
+        # the target by content (eagle3.identity): a model folder copied elsewhere is the same model
+        shared = {"model_path": model_identity(t.model_path), "capture_layers": t.capture_layers, "dtype": t.dtype}
         return {k: shared[k] if k in shared else getattr(self, k) for k in STATE_PARAMS}
 
 

@@ -28,9 +28,11 @@ import torch
 
 from eagle3.errors import ConfigError, PipelineError
 from eagle3.extract.backend import DTYPES, ExtractionBackend, HFBackend, check_attention
+from eagle3.extract.compile_cache import use_compile_cache
 from eagle3.extract.batches import PlanSegment, padded_length, plan_segments, real_token_index
-from eagle3.extract.config import AUTO_PLAN, FP8, ExtractConfig
-from eagle3.extract.format import CorruptChunkError, ShardManifest, bytes_per_token, load_chunk
+from eagle3.extract.config import ADDED_STATE_PARAMS, AUTO_PLAN, FP8, ExtractConfig
+from eagle3.extract.format import CorruptChunkError, ShardManifest, load_chunk
+from eagle3.fit import bytes_per_token
 from eagle3.extract.fused_llama import FusedLlamaBackend
 from eagle3.extract.pipeline import ChunkPipeline, HostBufferPool, StateBuffers, store_states
 from eagle3.extract.plan import ShardData, ShardSpec, load_shard_data
@@ -45,7 +47,11 @@ BACKENDS = {"hf": HFBackend, "fused-llama": FusedLlamaBackend}
 
 
 class ExtractOOMError(PipelineError):
-    """The token budget does not fit the device; the message names the param and a smaller value."""
+    """The token budget does not fit the device; the message names the param and a smaller value. The memory
+    pre-check's refusal is not retried (the same plan meets the same memory); an OOM in the forward is
+    (another process may have held the memory)."""
+
+    kind = "out of memory"
 
 
 def resolve_for_device(cfg: ExtractConfig) -> ExtractConfig:
@@ -100,16 +106,42 @@ def free_device_memory(device: torch.device) -> int:
     return 1 << 62
 
 
-def oom_message(token_budget: int, need: int | None, free: int | None, device) -> str:
-    suggest = max(256, token_budget // 2)
-    if need and free:
-        while suggest > 256 and need * suggest / token_budget > free:
-            suggest //= 2
-    what = (f"needs about {need / 1e9:.1f} GB but only {free / 1e9:.1f} GB is free on {device}"
-            if need and free else f"ran out of memory on {device}")
-    return (f"token_budget={token_budget} {what}: set a smaller token_budget (the extraction param "
-            f"'token_budget', padded tokens per forward pass), e.g. token_budget={suggest}; the committed chunks "
-            f"are kept and the rest is planned with the new value")
+MIN_TOKEN_BUDGET = 256  # the knob's minimum (ExtractConfig.token_budget)
+AT_THE_FLOOR = ("capture fewer layers (target param capture_layers), split the target over more GPUs (param "
+                "extract_tp_size), store fp8 states (param storage_dtype=float8_e4m3fn), shorten the samples (param "
+                "max_seq_len), or run on a GPU with more memory")
+
+
+def _smaller_budget(token_budget: int, what: str, suggest: int) -> str:
+    return (f"token_budget={token_budget} {what}: set a smaller token_budget (the extraction param 'token_budget', "
+            f"padded tokens per forward pass), e.g. token_budget={suggest}; the committed chunks are kept and the "
+            f"rest is planned with the new value")
+
+
+def oom_message(token_budget: int, device, per_token: int | None = None, allowed: float | None = None,
+                free: int | None = None, batch_tokens: int | None = None, longest: int | None = None) -> str:
+    """What to change after the memory check (per_token bytes, allowed = headroom x free bytes) or a real OOM
+    refused `token_budget`: a budget that passes the same check, or at the floor what else helps.
+
+    A batch holds at most max(token_budget, its longest sample) padded tokens (a longer sample runs alone), so
+    a budget helps only while the longest sample fits; below that, and below the knob's minimum, it does not.
+    """
+    if per_token and allowed and free:
+        need = per_token * batch_tokens
+        what = (f"needs about {need / 1e9:.2f} GB for its largest batch ({batch_tokens} padded tokens) but only "
+                f"{free / 1e9:.2f} GB is free on {device} ({allowed / free:.0%} may be used: param memory_headroom)")
+        fits = int(allowed // per_token)
+        suggest = max(fits // 64 * 64, min(fits, longest or 0))  # a round value, not below the longest sample
+        if suggest >= max(MIN_TOKEN_BUDGET, longest or 0):
+            return _smaller_budget(token_budget, what, suggest)
+        floor = (f"the longest sample alone ({longest} tokens) does not fit" if longest and longest > fits
+                 else f"token_budget cannot go below {MIN_TOKEN_BUDGET}")
+        return f"token_budget={token_budget} {what}; {floor}, so a smaller token_budget does not help: {AT_THE_FLOOR}"
+    suggest = max(token_budget // 2, MIN_TOKEN_BUDGET, longest or 0)
+    if suggest < max(token_budget, longest or 0):  # a smaller largest batch
+        return _smaller_budget(token_budget, f"ran out of memory on {device}", suggest)
+    return (f"token_budget={token_budget} ran out of memory on {device} with batches of at most "
+            f"{max(token_budget, longest or 0)} padded tokens, at the floor of what token_budget can do: {AT_THE_FLOOR}")
 
 
 def is_oom(e: BaseException) -> bool:
@@ -185,6 +217,7 @@ class ShardExtractor:
         if not isinstance(old, dict):
             raise ConfigError(f"{path}: {len(m.chunks)} chunks were committed by an older version that recorded "
                               f"no state params; delete {self.shard_dir} to extract the shard again")
+        old = {**ADDED_STATE_PARAMS, **old}
         for name, new in self.states.items():
             if old.get(name) != new:
                 raise ConfigError(
@@ -288,19 +321,27 @@ class ShardExtractor:
         return self._summary(m, time.perf_counter() - t0, 0, True, len(m.chunks))
 
     def _load_backend(self) -> ExtractionBackend:
+        if self.cfg.compile:
+            log.info("shard %d: compile cache %s", self.spec.shard, use_compile_cache(self.cfg.compile_cache_dir))
         if self.backend is None:
+            moe_options = ({"experts": self.cfg.experts_implementation, "compile_scope": self.cfg.compile_scope}
+                           if self.cfg.backend == "hf" else {})
             self.backend = BACKENDS[self.cfg.backend](info=self.info, compile=self.cfg.compile,
-                                                      attention=self.cfg.attention)
+                                                      attention=self.cfg.attention, **moe_options)
         self.backend.load(self.cfg.target.model_path, self.cfg.target.dtype, self.cfg.device, self.cfg.target.capture_layers)
         return self.backend
 
-    def _check_memory(self, device: torch.device) -> None:
-        need = estimate_batch_bytes(self.cfg.token_budget, self.shape.hidden_size, self.shape.intermediate_size,
-                                    len(self.cfg.target.capture_layers), DTYPES[self.cfg.target.dtype].itemsize,
-                                    self.storage.itemsize)
+    def _check_memory(self, device: torch.device, batch_tokens: int, longest: int) -> None:
+        """The largest batch the plan forms (`batch_tokens` padded tokens: a sample longer than the budget runs
+        alone in a batch larger than the budget) against the free memory, before any work."""
+        per_token = estimate_batch_bytes(1, self.shape.hidden_size, self.shape.intermediate_size,
+                                         len(self.cfg.target.capture_layers), DTYPES[self.cfg.target.dtype].itemsize,
+                                         self.storage.itemsize)
         free = free_device_memory(device)
-        if need > free * self.cfg.memory_headroom:
-            raise ExtractOOMError(oom_message(self.cfg.token_budget, need, free, device))
+        allowed = free * self.cfg.memory_headroom
+        if per_token * batch_tokens > allowed:
+            raise ExtractOOMError(oom_message(self.cfg.token_budget, device, per_token, allowed, free,
+                                              batch_tokens, longest), retried=False)
 
     @torch.inference_mode()
     def _extract(self, data: ShardData, chunks: list, m: ShardManifest) -> None:
@@ -308,8 +349,11 @@ class ShardExtractor:
         dev = backend.device
         cuda = dev.type == "cuda"
         n_cap, H = len(self.cfg.target.capture_layers), self.shape.hidden_size
-        self._check_memory(dev)  # the memory the budget asks for, against what the device has free, before any work
         todo = chunks[len(m.chunks):]
+        pad = self.cfg.pad_multiple
+        longest = padded_length(max(int(data.lengths[b].max()) for c in todo for b in c), pad)
+        self._check_memory(dev, max(len(b) * padded_length(int(data.lengths[b].max()), pad) for c in todo for b in c),
+                           longest)
         max_batch = max(int(data.lengths[b].sum()) for c in todo for b in c)
         max_chunk = max(int(data.lengths[np.concatenate(c)].sum()) for c in todo)
         staging = [StateBuffers(max_batch, n_cap, H, self.storage, dev) for _ in range(2)]
@@ -354,7 +398,7 @@ class ShardExtractor:
                         del aux, final
                     except RuntimeError as e:
                         if is_oom(e):
-                            raise ExtractOOMError(oom_message(self.cfg.token_budget, None, None, dev)) from e
+                            raise ExtractOOMError(oom_message(self.cfg.token_budget, dev, longest=longest)) from e
                         raise
                     if cuda:
                         copy_stream.wait_stream(torch.cuda.current_stream(dev))

@@ -36,20 +36,6 @@ from eagle3.errors import PipelineError
 from eagle3.io import MANIFEST_NAME, atomic_path, atomic_write_json, read_json, sha256_file
 
 FORMAT_VERSION = 1
-# Bytes of one stored value per storage dtype; "auto" stores the compute dtype, bfloat16 on a GPU (an estimate
-# made before the run, in preflight or merge, assumes the GPU; the CPU demo stores float32)
-STORAGE_ITEMSIZE = {"auto": 2, "bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3fn": 1}
-
-
-def bytes_per_token(num_capture_layers: int, hidden_size: int, storage_dtype: str) -> int:
-    """Bytes one token takes in a chunk: its states (the capture layers and the final state), its int32 id and
-    uint8 loss mask, and with fp8 storage one fp32 scale per state. Preflight's disk check, merge's estimate
-    and the extractor's chunk sizing all use this."""
-    states = num_capture_layers + 1
-    scales = 4 * states if storage_dtype == "float8_e4m3fn" else 0
-    return states * hidden_size * STORAGE_ITEMSIZE[storage_dtype] + 5 + scales
-
-
 TENSOR_NAMES = ("input_ids", "loss_mask", "aux_hidden", "final_hidden", "sample_offsets", "sample_rows")
 
 

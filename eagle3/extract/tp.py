@@ -78,7 +78,8 @@ def follow(cfg: ExtractConfig) -> int:
         if cmd == STOP:
             return forwards
         if cmd == LOAD:
-            backend = HFBackend(compile=cfg.compile, attention=cfg.attention, tp_plan="auto")
+            backend = HFBackend(compile=cfg.compile, attention=cfg.attention, tp_plan="auto",
+                                experts=cfg.experts_implementation, compile_scope=cfg.compile_scope)
             backend.load(cfg.target.model_path, cfg.target.dtype, cfg.device, cfg.target.capture_layers)
         elif cmd == CAPTURE:
             ids = torch.empty((rows, length), dtype=torch.int64, device=comm)
@@ -92,14 +93,14 @@ def extract_shard_rank(cfg: ExtractConfig, spec: dict) -> dict | None:
     from eagle3.faults import set_rank_pids
 
     rank = dist.get_rank()
-    logging.basicConfig(level=logging.INFO, format=f"[tp rank {rank}] %(levelname)s %(name)s: %(message)s")
     pids = [None] * dist.get_world_size()
     dist.all_gather_object(pids, os.getpid())
     if rank:
         follow(cfg)
         return None
     set_rank_pids(pids)
-    backend = LeaderBackend(compile=cfg.compile, attention=cfg.attention)
+    backend = LeaderBackend(compile=cfg.compile, attention=cfg.attention, experts=cfg.experts_implementation,
+                            compile_scope=cfg.compile_scope)
     out = ShardExtractor(cfg, spec, backend=backend).run()
     backend.stop()  # not on an error: then the followers are stopped by the launcher
     return out

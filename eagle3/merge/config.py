@@ -33,7 +33,7 @@ class MergeConfig:
     max_bad_fraction: float = knob(0.01, min=0.0, max=1.0, help="fail when bad lines / lines exceeds this")
     require_datagen_complete: bool = knob(False, help="fail when a dataset's datagen manifest.json is "
                                                       "missing/incomplete")
-    # Extraction estimate printed in stats: tokens x eagle3.extract.format.bytes_per_token (the run configuration
+    # Extraction estimate printed in stats: tokens x eagle3.fit.bytes_per_token (the run configuration
     # gives extraction's storage dtype; with no target there is no estimate).
     storage_dtype: str = knob("auto", help="extraction's storage dtype (for the extraction estimate)")
     extraction_tokens_per_s: float | None = knob(None, gt=0, help="extraction rate for the time estimate")

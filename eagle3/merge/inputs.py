@@ -21,8 +21,16 @@ class DatasetInput:
     datagen_complete: bool  # the datagen manifest.json beside it says complete
 
     def identity(self) -> list:
-        """What the fingerprint records: a changed file (size or mtime) makes the merge run again."""
-        return [self.name, str(self.path.resolve()), self.size, self.mtime_ns]
+        """What the fingerprint records: the dataset's content, not its path. A complete datagen output's content
+        is the sha256 its manifest records for the file (checked against the size); another file's is its
+        modification time, with its size (hashing every input before a skip would cost a pass over them)."""
+        try:
+            m = json.loads((self.path.parent / MANIFEST_NAME).read_text())
+        except (OSError, ValueError):
+            m = {}
+        if isinstance(m, dict) and m.get("complete") and m.get("sha256") and m.get("file") == self.path.name:
+            return [self.name, self.size, m["sha256"]]
+        return [self.name, self.size, self.mtime_ns]
 
 
 def _datagen_complete(folder: Path) -> bool:

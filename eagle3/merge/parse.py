@@ -8,7 +8,6 @@ and the good lines around it are kept.
 
 from __future__ import annotations
 
-import json
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,6 +17,7 @@ import pyarrow as pa
 import pyarrow.json as pajson
 
 from eagle3.datagen.contract import FIELDS
+from eagle3.io import BadJSONLine, json_line
 
 # Parsed straight into the output types: an id beyond int32 or a mask value beyond int8 fails the fast
 # path and is then named by the line-by-line path.
@@ -108,6 +108,8 @@ def parse_block(first_line: int, n_lines: int, block: bytes, id_limit: int) -> P
         block += b"\n"  # a last line without newline (the only such line is a file's last)
     try:
         table = _arrow_parse(block)
+        for name in ("sample_id", "dataset"):  # pyarrow's reader takes non-UTF-8 bytes into strings as they are
+            table.column(name).validate(full=True)
     except pa.ArrowInvalid:
         table = None
     if table is not None and table.num_rows == n_lines:  # one row per line: row i is line first_line + i
@@ -134,9 +136,9 @@ def parse_lines(first_line: int, block: bytes, id_limit: int) -> ParsedBlock:
             bad.append(BadLine("malformed_json", ln, "blank line"))
             continue
         try:
-            obj = json.loads(raw)
-        except (ValueError, UnicodeDecodeError) as e:
-            bad.append(BadLine("malformed_json", ln, f"invalid JSON: {e}"))
+            obj = json_line(raw)
+        except BadJSONLine as e:
+            bad.append(BadLine("malformed_json", ln, str(e)))
             continue
         if not isinstance(obj, dict):
             bad.append(BadLine("malformed_json", ln, f"not a JSON object but {type(obj).__name__}"))

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pyarrow.compute as pc
 
-from eagle3.io import MANIFEST_NAME, PhaseOutput, atomic_write_json, fingerprint, read_json, sha256_file
+from eagle3.io import MANIFEST_NAME, DiskFullError, PhaseOutput, atomic_write_json, fingerprint, read_json, sha256_file
 from eagle3.merge.config import MergeConfig
 from eagle3.merge.dataset import STATS_NAME, manifest_record
 from eagle3.merge.inputs import DatasetInput, discover_datasets
@@ -32,6 +32,7 @@ log = logging.getLogger(__name__)
 
 FAILED_STATS_NAME = "stats.failed.json"
 TMP_PREFIX = ".merge-tmp-"
+TMP_MARKER = ".made-by-eagle3-merge"  # a temp folder without it is not ours: never removed
 MIN_JSON_BYTES_PER_TOKEN = 4  # "1,"+"0," is the least JSON a token can take: sizes buckets conservatively
 LOG_EVERY_S = 10.0
 
@@ -85,14 +86,18 @@ def run_merge(cfg: MergeConfig) -> dict:
     out_dir.mkdir(parents=True, exist_ok=True)
     tmp_root = Path(cfg.tmp_dir) if cfg.tmp_dir else out_dir
     for folder in {tmp_root, out_dir}:
-        for stale in folder.glob(TMP_PREFIX + "*"):  # left by a killed run
-            shutil.rmtree(stale, ignore_errors=True)
+        for stale in folder.glob(TMP_PREFIX + "*"):  # left by a killed merge: only those a merge made (marked)
+            if (stale / TMP_MARKER).is_file():
+                shutil.rmtree(stale, ignore_errors=True)
     tmp = tmp_root / f"{TMP_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:8]}"
     parts_tmp = out_dir / tmp.name if cfg.tmp_dir else tmp  # parts must end on out_dir's filesystem
-    tmp.mkdir(parents=True)
-    parts_tmp.mkdir(parents=True, exist_ok=True)
+    for folder in (tmp, parts_tmp):
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / TMP_MARKER).touch()
     try:
         return _merge(cfg, datasets, out, tmp, parts_tmp)
+    except DiskFullError as e:
+        raise DiskFullError(f"merge: {e}") from e
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
         shutil.rmtree(parts_tmp, ignore_errors=True)

@@ -19,6 +19,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from eagle3.io import names_disk_full
 from eagle3.merge.validate import ROW_SCHEMA
 
 BUCKET_SCHEMA = ROW_SCHEMA.append(pa.field("hash", pa.uint64())).append(pa.field("src", pa.int32()))
@@ -67,7 +68,8 @@ class BucketSpill:
         counts = np.bincount(bucket, minlength=self.num_buckets)
         start = 0
         for b in np.flatnonzero(counts):
-            self._writer(int(b)).write_table(rows.slice(start, int(counts[b])))
+            with names_disk_full(self.path(int(b))):
+                self._writer(int(b)).write_table(rows.slice(start, int(counts[b])))
             start += int(counts[b])
 
     def _writer(self, b: int):
@@ -79,8 +81,9 @@ class BucketSpill:
 
     def close(self) -> None:
         for b, w in self._writers.items():
-            w.close()
-            self._sinks[b].close()
+            with names_disk_full(self.path(b)):
+                w.close()
+                self._sinks[b].close()
         self._writers.clear()
         self._sinks.clear()
 

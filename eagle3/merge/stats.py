@@ -9,7 +9,7 @@ import numpy as np
 
 from eagle3.errors import PipelineError
 from eagle3.merge.parse import BadLine
-from eagle3.extract.format import bytes_per_token
+from eagle3.fit import bytes_per_token
 from eagle3.sections import TargetConfig
 
 # Length histogram bin edges: 0, 64, 128, ..., 2^20 tokens, then everything longer.
@@ -17,7 +17,10 @@ HIST_EDGES = [0] + [2**k for k in range(6, 21)]
 
 
 class BadInputError(PipelineError):
-    pass
+    """More bad input than its threshold allows: the same input fails the same way."""
+
+    retried = False
+    kind = "bad input over its threshold"
 
 
 @dataclass
@@ -114,6 +117,10 @@ class MergeStats:
         if frac <= max_bad_fraction and self.bad_total < self.lines + self.empty_datasets:
             return
         parts = [f"{reason} {r.count} (e.g. {r.examples[0]})" for reason, r in sorted(self.bad.items())]
+        if frac <= max_bad_fraction:  # every input item is bad: no threshold makes a dataset of that
+            raise BadInputError(
+                f"merge: every input item is bad ({self.bad_total} of {self.lines} line(s) + {self.empty_datasets} "
+                f"empty dataset(s)): nothing to merge, whatever max_bad_fraction allows: " + "; ".join(parts))
         raise BadInputError(
             f"merge: {self.bad_total} bad input item(s) of {self.lines} line(s) + {self.empty_datasets} empty dataset(s)"
             f" = {frac:.2%}, above max_bad_fraction {max_bad_fraction:.2%}: " + "; ".join(parts))

@@ -13,7 +13,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from eagle3.io import sha256_file
+from eagle3.io import names_disk_full, sha256_file
 from eagle3.merge.dataset import PART_SCHEMA, part_name
 
 PARQUET_OPTIONS = dict(compression="zstd", compression_level=1, use_dictionary=["dataset"], write_statistics=False,
@@ -52,10 +52,11 @@ class PartWriter:
         if not self._pending:
             return
         group = pa.concat_tables(self._pending).combine_chunks()
-        if self._writer is None:
-            path = self.folder / part_name(len(self.files))
-            self._writer = pq.ParquetWriter(str(path), PART_SCHEMA, **PARQUET_OPTIONS)
-        self._writer.write_table(group, row_group_size=group.num_rows)
+        path = self.folder / part_name(len(self.files))
+        with names_disk_full(path):
+            if self._writer is None:
+                self._writer = pq.ParquetWriter(str(path), PART_SCHEMA, **PARQUET_OPTIONS)
+            self._writer.write_table(group, row_group_size=group.num_rows)
         self._file_rows += group.num_rows
         self._file_tokens += self._pending_tokens
         self._pending, self._pending_tokens = [], 0
@@ -63,9 +64,10 @@ class PartWriter:
     def _close_file(self) -> None:
         if self._writer is None:
             return
-        self._writer.close()
-        self._writer = None
         name = part_name(len(self.files))
+        with names_disk_full(self.folder / name):
+            self._writer.close()
+        self._writer = None
         self.files.append({"path": name, "rows": self._file_rows, "tokens": self._file_tokens,
                            "sha256": sha256_file(self.folder / name)})
         self._file_rows = self._file_tokens = 0

@@ -12,16 +12,45 @@ from dataclasses import dataclass
 
 import torch
 
+from eagle3.errors import PipelineError
 from eagle3.extract.reader import HiddenStateReader
 
 log = logging.getLogger(__name__)
 
 
+def held_out_samples(num_samples: int, fraction: float, seed: int) -> set[int]:
+    """The held-out slice: round(fraction x samples) sample indices (in the reader's chunk order), at least one
+    when fraction > 0, drawn with the seed (the merged data is shuffled already; this keeps the slice spread over
+    every chunk). Empty when fraction is 0."""
+    if fraction <= 0:
+        return set()
+    n = max(1, round(fraction * num_samples))
+    if n >= num_samples:
+        raise PipelineError(f"train param holdout_fraction {fraction} holds out {n} of {num_samples} samples: "
+                            f"nothing left to train on; lower it")
+    g = torch.Generator().manual_seed(seed * 7919 + 17)
+    return set(torch.randperm(num_samples, generator=g)[:n].tolist())
+
+
 class BatchOrder:
-    def __init__(self, reader: HiddenStateReader, batch_size: int, seed: int):
+    """Micro-batches of the training samples: every sample not in `held_out` (indices in chunk order)."""
+
+    def __init__(self, reader: HiddenStateReader, batch_size: int, seed: int, held_out: set[int] = frozenset()):
         self.reader, self.batch_size, self.seed = reader, batch_size, seed
         self.chunks = reader.chunks()
-        self.batches_per_epoch = sum(math.ceil(c.record.samples / batch_size) for c in self.chunks)
+        self.held_out = held_out
+        starts = [0]
+        for c in self.chunks:
+            starts.append(starts[-1] + c.record.samples)
+        # per chunk: the local indices of its training samples (all of them without a held-out slice)
+        self.kept = [[j for j in range(c.record.samples) if s + j not in held_out] for c, s in zip(self.chunks, starts)]
+        self.held = [[j for j in range(c.record.samples) if s + j in held_out] for c, s in zip(self.chunks, starts)]
+        self.batches_per_epoch = sum(math.ceil(len(k) / batch_size) for k in self.kept)
+
+    def _samples(self, t: dict, rows: list[int]) -> list[dict]:
+        off = t["sample_offsets"].tolist()
+        return [{k: t[k][off[i]:off[i + 1]] for k in ("input_ids", "loss_mask", "aux_hidden", "final_hidden")}
+                for i in rows]
 
     def epoch(self, epoch: int, skip: int = 0):
         """Yield (batch_index, [samples as dicts]) for one epoch, starting after `skip` batches."""
@@ -29,20 +58,25 @@ class BatchOrder:
         order = torch.randperm(len(self.chunks), generator=g).tolist()
         index = 0
         for ci in order:
-            chunk = self.chunks[ci]
-            n = math.ceil(chunk.record.samples / self.batch_size)
-            perm = torch.randperm(chunk.record.samples, generator=g).tolist()  # drawn even when skipped: same stream
+            kept = self.kept[ci]
+            n = math.ceil(len(kept) / self.batch_size)
+            perm = torch.randperm(len(kept), generator=g).tolist()  # drawn even when skipped: same stream
             if index + n <= skip:
                 index += n
                 continue
-            t = self.reader.load(chunk)
-            off = t["sample_offsets"].tolist()
+            t = self.reader.load(self.chunks[ci])
             for b in range(n):
                 if index >= skip:
-                    rows = perm[b * self.batch_size:(b + 1) * self.batch_size]
-                    yield index, [{k: t[k][off[i]:off[i + 1]] for k in ("input_ids", "loss_mask", "aux_hidden",
-                                                                        "final_hidden")} for i in rows]
+                    yield index, self._samples(t, [kept[i] for i in perm[b * self.batch_size:(b + 1) * self.batch_size]])
                 index += 1
+
+    def held_out_batches(self):
+        """The held-out samples in batches of batch_size, in chunk order (the same every call)."""
+        for ci, rows in enumerate(self.held):
+            if rows:
+                t = self.reader.load(self.chunks[ci])
+                for b in range(0, len(rows), self.batch_size):
+                    yield self._samples(t, rows[b:b + self.batch_size])
 
 
 @dataclass

@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from eagle3.errors import ConfigError
+from eagle3.identity import model_identity
 from eagle3.io import MANIFEST_NAME, fingerprint, read_json
 from eagle3.knobs import check_knobs, knob
 from eagle3.sections import DataConfig, TargetConfig
@@ -51,7 +52,18 @@ class TrainConfig:
     max_steps: int = knob(0, min=0, param="max_steps", section=TRAINING,
                           help="Optimizer steps; 0 = run the epochs.")
     checkpoint_every: int = knob(100, min=1, help="Optimizer steps between checkpoints (a killed run resumes there).")
-    keep_checkpoints: int = knob(2, min=1, help="Checkpoints kept on disk.")
+    keep_checkpoints: int = knob(2, min=1, help="Checkpoints kept on disk (the best validation's weights are "
+                                                 "kept apart: eagle3.train.validation).")
+    # Off by default until a device run measures it against the last checkpoint (docs/train.md, "Choosing the
+    # checkpoint"); 0 keeps today's defaults and their figure.
+    holdout_fraction: float = knob(0.0, min=0, max=0.5,
+                                   help="Share of the samples held out of training to choose the checkpoint: the "
+                                        "drafter's simulated acceptance on them (TTT chain, teacher-forced, no "
+                                        "target forward) is measured every validate_every steps and the best "
+                                        "weights are exported. 0 = no validation, the last weights are exported.")
+    validate_every: int = knob(0, min=0, help="Optimizer steps between validations on the held-out slice (each "
+                                              "also writes a checkpoint); 0 = every checkpoint_every steps. The "
+                                              "last step is always validated.")
     seed: int = knob(0, min=0, help="Data order and initialisation seed.")
     device: str = knob("auto", help="auto = cuda when available, else cpu; or a torch device name.")
     init_lm_head_from_target: bool = knob(True, help="Start the drafter's lm_head from the target's rows.")
@@ -90,10 +102,23 @@ class TrainConfig:
     def max_seq_len(self) -> int:
         return self.data.max_seq_len
 
+    @property
+    def validation_interval(self) -> int:
+        return self.validate_every or self.checkpoint_every
+
     def fingerprint(self) -> str:
-        """The params (checkpoints carry it); the phase's record adds the data (eagle3.train.run)."""
-        d = {k: v for k, v in asdict(self).items() if k not in _NOT_IN_FINGERPRINT + ("target", "data")}
-        return fingerprint({**d, "model_path": self.model_path, "max_seq_len": self.max_seq_len})
+        """The params (checkpoints carry it) and what the run reads, by content: the target and the shards; not
+        where they or the output live (a run folder copied elsewhere resumes). The phase's record adds the data
+        (eagle3.train.run)."""
+        d = {k: v for k, v in asdict(self).items()
+             if k not in _NOT_IN_FINGERPRINT + ("target", "data", "output_dir", "shard_dirs")}
+        if not self.holdout_fraction:  # no validation: the fingerprint of a run from before these knobs existed
+            d.pop("holdout_fraction")
+            d.pop("validate_every")
+        else:  # which steps are compared decides the export
+            d["validate_every"] = self.validation_interval
+        return fingerprint({**d, "model": model_identity(self.model_path), "max_seq_len": self.max_seq_len,
+                            "shards": data_fingerprint(self.shard_dirs)})
 
 
 def shard_chunk_hashes(shard_dirs: list[str]) -> dict[str, list[str] | None]:

@@ -119,15 +119,34 @@ def local_value(t):
 
 # FSDP2 checkpoints hold what one process would write: the model's full state dict and the optimizer's state
 # in torch's own format (parameters numbered in named_parameters order), so a run resumes at any N and either way.
-def full_state(model: torch.nn.Module, optimizer) -> tuple[dict, dict]:
-    """(model state, optimizer state) gathered from the shards; every rank must call it (rank 0 gets them)."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+def _full_copy(value):
+    """A state value as one process holds it, in memory of its own: a DTensor gathered from the shards
+    (synchronously: the all-gather is waited for), every tensor copied to the CPU."""
+    if isinstance(value, torch.Tensor):
+        from torch.distributed._functional_collectives import AsyncCollectiveTensor
+        from torch.distributed.tensor import DTensor
 
-    msd, osd = get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    names = [n for n, _ in model.named_parameters()]
-    index = {n: i for i, n in enumerate(names)}
-    native = {"state": {index[n]: v for n, v in osd.get("state", {}).items()},
-              "param_groups": [{**g, "params": [index[n] for n in g["params"]]} for g in osd.get("param_groups", [])]}
+        if isinstance(value, DTensor):
+            value = value.full_tensor()
+        if isinstance(value, AsyncCollectiveTensor):
+            value = value.wait()
+        return value.detach().to("cpu", copy=True)
+    return value
+
+
+def full_state(model: torch.nn.Module, optimizer) -> tuple[dict, dict]:
+    """(model state, optimizer state) gathered from the shards; every rank must call it (in the same order: one
+    all-gather per sharded tensor) and gets them.
+
+    Gathered tensor by tensor into copies the checkpoint owns, instead of torch's get_state_dict(full_state_dict,
+    cpu_offload): on the CPU that returns the gathered buffers and the optimizer's live step tensors themselves
+    (its "offload" to the CPU is no copy there), and one FSDP2 run in 14 died with SIGSEGV inside it while a
+    checkpoint was gathered (torch 2.13, CPU, gloo); the cause was not pinned down, nothing here shares memory
+    with a collective or the optimizer (tests/test_train_ddp.py gathers in a loop of saves)."""
+    msd = {name: _full_copy(v) for name, v in model.state_dict().items()}
+    osd = optimizer.state_dict()  # parameters numbered in param-group order: model.parameters() order
+    native = {"state": {i: {k: _full_copy(v) for k, v in s.items()} for i, s in osd["state"].items()},
+              "param_groups": osd["param_groups"]}
     return msd, native
 
 

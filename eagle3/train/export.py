@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from eagle3.errors import PipelineError
+from eagle3.errors import ConfigError, PipelineError
 from eagle3.io import atomic_write_json, read_json, temp_path_for
 from eagle3.train.model import DrafterConfig, Eagle3Drafter
 from eagle3.train.serving import sglang_layer_ids, vllm_layer_ids
@@ -79,6 +79,12 @@ def export_drafter(drafter: Eagle3Drafter, vocab: DraftVocab, info, capture_laye
     from safetensors.torch import save_file
 
     out_dir = Path(out_dir)
+    if out_dir.exists():  # replaced below: only an export of ours may be
+        theirs = sorted(p.name for p in out_dir.iterdir()) if out_dir.is_dir() else [out_dir.name]
+        theirs = [n for n in theirs if n not in (CONFIG_FILE, WEIGHTS_FILE)] if out_dir.is_dir() else theirs
+        if theirs:
+            raise ConfigError(f"export folder {out_dir} exists and holds what no drafter export of this pipeline "
+                              f"writes ({theirs[:5]}): refusing to replace it; move it away or export elsewhere")
     tmp = temp_path_for(out_dir)
     tmp.mkdir(parents=True)
     try:

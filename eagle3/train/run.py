@@ -1,7 +1,7 @@
 """The training phase as the DAG runs it: idempotent, with artifacts and report.json.
 
-train_phase: shards -> <train_dir>/{draft_vocab.safetensors, checkpoints/, metrics.jsonl, export/, training.png,
-             report.json}. A finished run (report.json complete with the same fingerprint and the export present)
+train_phase: shards -> <train_dir>/{draft_vocab.safetensors, checkpoints/, metrics.jsonl, validation.jsonl (with a
+             held-out slice), export/, training.png, report.json}. A finished run (report.json complete with the same fingerprint and the export present)
              is skipped; a killed one resumes from its last checkpoint.
 report.json is the phase's record (eagle3.io.PhaseOutput): written last, it says the phase is complete.
 """
@@ -82,4 +82,6 @@ def train_phase(cfg: TrainConfig) -> dict:
         "serving_problems": problems, "first": {"loss": first["loss"], "acc_k": first["acc_k"]},
         "last": {"loss": last["loss"], "acc_k": last["acc_k"]}, "metrics": str(out / "metrics.jsonl"),
         "plot": str(out / "training.png"), "seconds_this_run": round(res["seconds"], 1),
+        # with a held-out slice: which step's weights were exported and by how much they beat the last step's
+        "checkpoint_selection": res["selection"] or None,
     })

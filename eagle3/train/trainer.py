@@ -31,7 +31,7 @@ from eagle3.extract.reader import HiddenStateReader
 from eagle3.io import read_json
 from eagle3.knobs import build
 from eagle3.models import model_info
-from eagle3.train.batches import BatchOrder, collate, count_truncation, to_device
+from eagle3.train.batches import BatchOrder, collate, count_truncation, held_out_samples, to_device
 from eagle3.train.checkpoint import Checkpoints
 from eagle3.train.config import TrainConfig
 from eagle3.train.distributed import (Ranks, full_state, grad_sync, load_full_state, local_value,
@@ -39,6 +39,7 @@ from eagle3.train.distributed import (Ranks, full_state, grad_sync, load_full_st
 from eagle3.faults import maybe_kill_rank
 from eagle3.train.model import DrafterConfig, Eagle3Drafter
 from eagle3.train.tracking import MetricsTracker, tracking_params
+from eagle3.train.validation import VALIDATION_FILE, Validator, read_validation, selection_summary
 from eagle3.train.vocab import VOCAB_FILE, count_tokens, load_or_build_vocab
 
 log = logging.getLogger(__name__)
@@ -204,7 +205,8 @@ def train(cfg: TrainConfig) -> dict:
     model = wrap(drafter, ranks, device, "fsdp") if fsdp else drafter  # FSDP2 shards before the optimizer sees it
     opt = torch.optim.AdamW(drafter.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay,
                             fused=device.type == "cuda" and not fsdp)
-    order = BatchOrder(reader, cfg.batch_size, cfg.seed)
+    order = BatchOrder(reader, cfg.batch_size, cfg.seed,
+                       held_out_samples(reader.num_samples, cfg.holdout_fraction, cfg.seed))
     steps_per_epoch = order.batches_per_epoch // cfg.grad_accum
     if steps_per_epoch == 0:
         raise PipelineError(f"{order.batches_per_epoch} micro-batches < grad_accum {cfg.grad_accum}: not one step")
@@ -212,8 +214,8 @@ def train(cfg: TrainConfig) -> dict:
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda_factory(total_steps, cfg.warmup_ratio, cfg.min_lr_ratio))
     checkpoints = Checkpoints(out / "checkpoints", cfg.fingerprint(), cfg.keep_checkpoints)
     metrics_path = out / "metrics.jsonl"
-    pos = checkpoints.restore(drafter, opt, sched, metrics_path if ranks.main else None,
-                              load_states=load_full_state if fsdp else None)
+    pos, best = checkpoints.restore(drafter, opt, sched, [metrics_path, out / VALIDATION_FILE] if ranks.main else None,
+                                    load_states=load_full_state if fsdp else None)
     if not fsdp:
         model = wrap(drafter, ranks, device)  # after the restore: DDP starts every rank from rank 0's weights
 
@@ -226,6 +228,8 @@ def train(cfg: TrainConfig) -> dict:
     share_rows = -(-cfg.batch_size // ranks.world)
     pad_multiple, batch_rows = (cfg.pad_multiple, share_rows) if compiled else (1, 0)
     t_start, tokens_done = time.time(), 0
+    validator = Validator(order, out, cfg.validation_interval, cfg.ttt_steps, cfg.max_seq_len,
+                          vocab.draft_ids.to(device), ranks, ranks.main)
 
     def micro_batches():
         while True:
@@ -291,18 +295,34 @@ def train(cfg: TrainConfig) -> dict:
                 log.info("step %d/%d  loss %.4f  acc@k0 %.3f  %.0f tok/s  ETA %.0f s", step, total_steps, loss_total,
                          float(sums[0, 1] / sums[0, 2].clamp(min=1)), tokens_done / max(1e-9, now - t_start),
                          (total_steps - step) / max(rate, 1e-9))
-            if step % cfg.checkpoint_every == 0 or step == total_steps:
+            validated = validator.due(step, total_steps)
+            if step % cfg.checkpoint_every == 0 or step == total_steps or validated:
                 states = full_state(drafter, opt) if fsdp else None  # a collective: every rank gathers
+                if validated:
+                    result = validator.measure(model, embed, device, autocast)
+                    validator.record(step, result)
+                    if best is None or result["sim_tau"] > best["sim_tau"]:
+                        best = {"step": step, "sim_tau": result["sim_tau"]}
+                        if ranks.main:
+                            checkpoints.save_best(step, result["sim_tau"], states[0] if states else drafter.state_dict())
                 if ranks.main:
-                    checkpoints.save(pos, drafter, opt, sched, states)
+                    checkpoints.save(pos, drafter, opt, sched, states, best=best)
         ok = True
     finally:
         if metrics_file:
             metrics_file.close()
         if tracker:
             tracker.close(ok)  # an MLflow run ends FAILED on an exception
+    selection = {}
+    if validator.enabled:
+        selection = selection_summary(read_validation(out / VALIDATION_FILE), best and best["step"],
+                                      validator.held_out) if ranks.main else {}
+        if best and not ranks.distributed:
+            checkpoints.load_best(drafter, best)  # the export holds the best validation's weights
+            log.info("exporting step %d (simulated tau %.3f; the last step, %d: %.3f)", best["step"],
+                     best["sim_tau"], pos.step, selection.get("last_sim_tau", float("nan")))
     return {"drafter": None if ranks.distributed else drafter.cpu().eval(), "vocab": vocab, "info": info,
-            "capture_layers": reader.capture_layers,
+            "capture_layers": reader.capture_layers, "selection": selection,
             "steps": pos.step, "total_steps": total_steps, "tokens": reader.num_tokens, "samples": reader.num_samples,
             "truncation": truncation.to_dict(), "seconds": time.time() - t_start}
 
@@ -342,6 +362,9 @@ def train_on_ranks(cfg: TrainConfig) -> dict:
     if step != summary["steps"]:
         raise PipelineError(f"{checkpoints.folder}: the last checkpoint is at step {step}, the ranks ended at step "
                             f"{summary['steps']}")
+    best = summary["selection"].get("best_step")
+    if best is not None:
+        checkpoints.load_best(drafter, {"step": best})
     return {**summary, "drafter": drafter.eval(), "vocab": vocab, "info": info}
 
 

@@ -22,7 +22,8 @@ class EchoAuthServer:
     """A tiny OpenAI-shaped endpoint (stdlib http.server) that accepts one API key: GET /v1/models answers 200 to it,
     and everything else is a 401 whose body echoes the Authorization header it got, as some gateways do."""
 
-    def __init__(self, good_key: str):
+    def __init__(self, good_key: str, answer_with_key: bool = False):
+        """answer_with_key: a chat request with the good key gets a 200 answer that repeats the key."""
         import threading
         from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -40,6 +41,11 @@ class EchoAuthServer:
                 auth = self.headers.get("Authorization", "")
                 if self.command == "GET" and self.path == "/v1/models" and auth == f"Bearer {good_key}":
                     return self._answer(200, {"object": "list", "data": [{"id": "echo-model"}]})
+                if answer_with_key and self.command == "POST" and auth == f"Bearer {good_key}":
+                    return self._answer(200, {"choices": [{"message": {"role": "assistant", "content":
+                                                           f"Your key is {good_key}, twice: {good_key}."},
+                                                           "finish_reason": "stop"}],
+                                              "usage": {"prompt_tokens": 5, "completion_tokens": 9}})
                 self._answer(401, {"error": {"message": f"invalid credentials; you sent Authorization: {auth}",
                                              "key_seen": auth.removeprefix("Bearer ")}})
 

@@ -49,8 +49,8 @@ def test_mapped_datagen_in_a_dag_run(llama_server, smollm2_path, tmp_path, monke
         "kwargs": {"path": str(bundle), "refresh_interval": 0}}]))
     monkeypatch.setenv("DG_TEST_CONFIG", json.dumps({
         "out": str(out), "tokenizer": str(smollm2_path),
-        "datasets": [{"name": "A", "prompt_file": str(a), "max_tokens": 8},
-                     {"name": "B", "prompt_file": str(b), "max_tokens": 8}]}))
+        "datasets": [{"name": "A", "prompt_file": str(a), "max_tokens": 8, "drop_truncated": False},
+                     {"name": "B", "prompt_file": str(b), "max_tokens": 8, "drop_truncated": False}]}))
     monkeypatch.syspath_prepend(str(ROOT))
     from airflow.dag_processing.dagbag import DagBag
 

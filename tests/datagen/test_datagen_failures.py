@@ -44,7 +44,7 @@ def test_prompt_longer_than_the_context_is_a_bad_line_reported_once(llama_server
     the budget (1% of 4 prompts = 0 allowed), so the run failed, and again on every re-run."""
     f = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "Say hi."}, {"prompt": "Say yes."},
                                            {"prompt": "Repeat: " + "word " * 3000}, {"prompt": "Say no."}])
-    spec = DatasetSpec(name="T", prompt_file=str(f), max_tokens=4)
+    spec = DatasetSpec(name="T", prompt_file=str(f), max_tokens=4, drop_truncated=False)
     folder = tmp_path / "T"
     with FaultProxy(llama_server["port"], lambda i, body: "ok") as px:
         rep = run_dataset(spec, _client(), Endpoint(px.base_url), smollm2_path, tmp_path, tokenizer=smollm2_tokenizer)
@@ -76,7 +76,7 @@ def test_disk_full_names_the_file_and_phase_and_a_rerun_resumes(llama_server, sm
     import eagle3.io as io
 
     f = write_jsonl(tmp_path / "p.jsonl", [{"prompt": f"Say the number {i}."} for i in range(4)])
-    spec = DatasetSpec(name="D", prompt_file=str(f), max_tokens=4)
+    spec = DatasetSpec(name="D", prompt_file=str(f), max_tokens=4, drop_truncated=False)  # rows from 4-token answers
     folder = tmp_path / "D"
     gen = folder / "generations.jsonl"
     real_write, lines = os.write, []
@@ -117,3 +117,26 @@ def test_disk_full_names_the_file_and_phase_and_a_rerun_resumes(llama_server, sm
     ids = Counter(json.loads(x)["sample_id"] for x in gen.read_text().splitlines())
     assert set(ids) == {p.sample_id for p in read_prompts(f, "D").prompts} and set(ids.values()) == {1}
     assert json.loads((folder / "manifest.json").read_text())["complete"]
+
+
+def test_a_dataset_left_with_no_rows_fails_with_the_counts_and_what_to_change(llama_server, smollm2_path,
+                                                                             smollm2_tokenizer, tmp_path):
+    """max_tokens=1 cuts every answer (finish_reason=length), so every one is dropped as truncated. Before: the
+    manifest said complete with 0 rows and the merge failed later. The answers are kept: a re-run with
+    drop_truncated=false does not ask again and completes."""
+    from eagle3.datagen.run import EmptyDatasetError
+
+    f = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "Tell me a long story."}, {"prompt": "Describe Paris."}])
+    spec = DatasetSpec(name="Z", prompt_file=str(f), max_tokens=1)
+    with FaultProxy(llama_server["port"], lambda i, body: "ok") as px:
+        with pytest.raises(EmptyDatasetError, match=r"dataset Z: no usable sample: of 2 prompts .* truncated 2\. "
+                                                    r"What to change: truncated: raise the dataset's max_tokens .*"
+                                                    r"drop_truncated=false") as e:
+            run_dataset(spec, _client(), Endpoint(px.base_url), smollm2_path, tmp_path, tokenizer=smollm2_tokenizer)
+        assert not e.value.retried
+        folder = tmp_path / "Z"
+        assert not (folder / "manifest.json").exists()
+        assert json.loads((folder / "report.json").read_text())["status"] == "failed"
+        spec = DatasetSpec(name="Z", prompt_file=str(f), max_tokens=1, drop_truncated=False)
+        rep = run_dataset(spec, _client(), Endpoint(px.base_url), smollm2_path, tmp_path, tokenizer=smollm2_tokenizer)
+        assert rep["rows"] == 2 and len(px.actions) == 2

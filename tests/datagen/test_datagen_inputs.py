@@ -207,3 +207,20 @@ def test_datagen_config_checks_and_form_params():
                             "server_command", "server_extra_args"]
     assert {p["section"] for p in form.values()} == {"Data generation"}
     assert form["datagen_client"]["default"] == {"concurrency": 256, "max_failed_fraction": 0.01}
+
+
+DEEP = b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"  # RecursionError in Python's json parser
+NOT_UTF8 = b'{"prompt": "caf\xe9 \xff"}'  # latin-1 bytes
+
+
+def test_deeply_nested_and_non_utf8_lines_are_bad_lines_with_file_and_line(tmp_path):
+    f = tmp_path / "p.jsonl"
+    f.write_bytes(b"\n".join([b'{"prompt": "one"}', DEEP, NOT_UTF8, b'{"prompt": "two"}']) + b"\n")
+    ps = read_prompts(f, "D", on_bad_line="skip")
+    assert [p.user_turns for p in ps.prompts] == [["one"], ["two"]] and ps.bad_lines == 2
+    assert ps.bad_line_messages[0].startswith(f"{f}:2: invalid JSON: nested deeper")
+    assert ps.bad_line_messages[1].startswith(f"{f}:3: not UTF-8 text: byte 15")
+    with pytest.raises(ConfigError, match=rf"bad prompt line {f}:2: invalid JSON: nested deeper"):
+        read_prompts(f, "D", on_bad_line="fail")
+    with pytest.raises(ConfigError, match=rf"prompt_file {tmp_path} is a directory, not a file"):
+        read_prompts(tmp_path, "D")

@@ -58,6 +58,8 @@ def test_no_key_reaches_disk_exception_or_log(smollm2_path, smollm2_tokenizer, t
 def test_hook_and_operator_keep_the_key_off_disk(smollm2_path, tmp_path, monkeypatch, caplog):
     """The operator in remote mode: endpoint and key from an AIRFLOW_CONN_ Connection (a host with user:key@ and a
     password); the echoed key is in no file, no log line and not in the task's failure."""
+    from airflow.sdk.exceptions import AirflowFailException
+
     from eagle3_airflow.operators.datagen import DatagenOperator
     from eagle3_airflow.hooks import OpenAICompatibleHook
 
@@ -79,9 +81,12 @@ def test_hook_and_operator_keep_the_key_off_disk(smollm2_path, tmp_path, monkeyp
         op = DatagenOperator(task_id="datagen", dataset={"name": "H", "prompt_file": str(f), "max_tokens": 4},
                              config={"output_dir": str(out), "target": {"model_path": str(smollm2_path)}, "mode": "remote",
                                      "served_model_name": "echo-model", "conn_id": "eagle3_echo", "client": {"concurrency": 1, "max_retries": 0}})
-        # the endpoint refuses the chat request: a 401 that echoes the key, so the failure budget blows
-        with pytest.raises(FailureBudgetExceeded) as err:
+        # the endpoint refuses the chat request: a 401 that echoes the key, so the failure budget blows, and the
+        # task fails without the retries that would meet the same 401
+        with pytest.raises(AirflowFailException, match=r"HTTP 401: the endpoint refuses the API key .*"
+                                                       r"\(authentication refused: not retried\)") as err:
             op.execute({})
+        assert isinstance(err.value.__cause__, FailureBudgetExceeded)
     assert "Bearer ***" in (out / "H" / "errors.jsonl").read_text()
     assert assert_not_in_files(out, key, url_key) >= 3
     assert key not in str(err.value) and key not in caplog.text and url_key not in caplog.text
@@ -103,3 +108,21 @@ def test_hook_base_url_rules(monkeypatch):
     assert endpoint(host="h", password="").api_key == "EMPTY"
     with pytest.raises(ConfigError, match="no host and no extra.base_url"):
         endpoint(login="x")
+
+
+def test_a_key_inside_a_200_answer_is_masked_in_the_stored_answers_and_counted(smollm2_path, smollm2_tokenizer,
+                                                                               tmp_path):
+    """An endpoint that answers with the request's key: generations.jsonl, tokenized.jsonl (its tokens too) and
+    the report hold no key; the report counts the redactions."""
+    key = "sk-answered-back-31d7c2"
+    f = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "What is my key?"}, {"prompt": "Repeat my key."}])
+    spec = DatasetSpec(name="A", prompt_file=str(f), max_tokens=16)
+    out = tmp_path / "out"
+    with EchoAuthServer(good_key=key, answer_with_key=True) as srv:
+        rep = run_dataset(spec, ClientConfig(model="m", concurrency=1), Endpoint(f"http://127.0.0.1:{srv.port}/v1", key),
+                          smollm2_path, out, tokenizer=smollm2_tokenizer)
+    assert rep["rows"] == 2 and rep["this_run"]["redacted_secrets"] == 4
+    assert assert_not_in_files(out, key) >= 4
+    rows = [json.loads(x) for x in (out / "A" / "tokenized.jsonl").read_text().splitlines()]
+    text = smollm2_tokenizer.decode(rows[0]["input_ids"])
+    assert "Your key is ***, twice: ***." in text and key not in text

@@ -95,33 +95,89 @@ def prompt_ids(tokenizer, prompt: str) -> list[int]:
                                          return_dict=True)["input_ids"]
 
 
-@torch.no_grad()
-def generate_answers(model, tokenizer, prompts: list[str], max_new_tokens: int, batch_size: int = 32,
-                     log_every: int = 1, temperature: float = 0.0, seed: int = 0) -> list[dict]:
-    """The target's answers as samples {input_ids, loss_mask}: prompt masked 0, answer (with eos) 1.
-    Greedy, or sampled at `temperature` > 0 (seeded: the same call gives the same answers on one machine).
+def next_turn_ids(tokenizer, messages: list[dict], user: str) -> list[int] | None:
+    """The tokens that follow a conversation's last answer (its eos) up to the generation prompt of the next user
+    turn, as the chat template renders them; None when the template does not render the conversation so far as a
+    prefix of the longer one (a template that rewrites answers: the conversation stops there)."""
+    if not messages:
+        return prompt_ids(tokenizer, user)
+    render = tokenizer.apply_chat_template
+    through_answer = render(messages[:-1], tokenize=False, add_generation_prompt=True) + messages[-1]["content"] + \
+        (tokenizer.eos_token or "")
+    full = render([*messages, {"role": "user", "content": user}], tokenize=False, add_generation_prompt=True)
+    if not full.startswith(through_answer):
+        return None
+    return tokenizer(full[len(through_answer):], add_special_tokens=False)["input_ids"]
 
-    Runs on the model's device. Prompts are batched by length (less left padding) and the samples come
-    back in the order of `prompts`."""
-    eos = tokenizer.eos_token_id
-    ids = [prompt_ids(tokenizer, p) for p in prompts]
-    order = sorted(range(len(ids)), key=lambda i: len(ids[i]))
-    samples: list[dict | None] = [None] * len(ids)
+
+@torch.no_grad()
+def generate_batch(model, contexts: list[list[int]], max_new_tokens: int, eos: int, batch_size: int,
+                   temperature: float, seed: int, log_every: int = 1, **generate_kwargs) -> list[list[int]]:
+    """One answer per context (token ids, with eos when it ended), in the order of `contexts`. Contexts are
+    batched by length (less left padding); `generate_kwargs` go to HF generate (e.g. cache_implementation)."""
+    order = sorted(range(len(contexts)), key=lambda i: len(contexts[i]))
+    answers: list[list[int] | None] = [None] * len(contexts)
+    sampling = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if temperature > 0 else \
+        dict(do_sample=False)
     for n, b in enumerate(range(0, len(order), batch_size)):
         rows = order[b:b + batch_size]
-        width = max(len(ids[i]) for i in rows)
-        x = torch.tensor([[eos] * (width - len(ids[i])) + ids[i] for i in rows], device=model.device)  # left pad
-        attn = torch.tensor([[0] * (width - len(ids[i])) + [1] * len(ids[i]) for i in rows], device=model.device)
-        sampling = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if temperature > 0 else \
-            dict(do_sample=False)
+        width = max(len(contexts[i]) for i in rows)
+        x = torch.tensor([[eos] * (width - len(contexts[i])) + contexts[i] for i in rows], device=model.device)
+        attn = torch.tensor([[0] * (width - len(contexts[i])) + [1] * len(contexts[i]) for i in rows],
+                            device=model.device)  # left pad
         torch.manual_seed(seed * 1_000_003 + n)
         out = model.generate(x, attention_mask=attn, max_new_tokens=max_new_tokens, pad_token_id=eos,
-                             eos_token_id=eos, **sampling)
+                             eos_token_id=eos, **sampling, **generate_kwargs)
         for i, row in zip(rows, out[:, width:].tolist()):
-            answer = row[: row.index(eos) + 1] if eos in row else row
-            samples[i] = {"input_ids": ids[i] + answer, "loss_mask": [0] * len(ids[i]) + [1] * len(answer)}
+            answers[i] = row[: row.index(eos) + 1] if eos in row else row
         if (n + 1) % log_every == 0 or b + batch_size >= len(order):
-            log.info("generated answers for %d/%d prompts", min(b + batch_size, len(order)), len(prompts))
+            log.info("generated answers for %d/%d contexts", min(b + batch_size, len(order)), len(contexts))
+    return answers
+
+
+def generate_answers(model, tokenizer, prompts: list[str | list[str]], max_new_tokens: int, batch_size: int = 32,
+                     log_every: int = 1, temperature: float = 0.0, seed: int = 0, max_context: int = 0,
+                     **generate_kwargs) -> list[dict]:
+    """The target's answers as samples {input_ids, loss_mask, turns}: prompt and template tokens masked 0, each
+    answer (with its eos) 1. Greedy, or sampled at `temperature` > 0 (seeded: the same call gives the same
+    answers on one machine). Runs on the model's device; the samples come back in the order of `prompts`.
+
+    A prompt is one user turn or a conversation (a list of user turns): as the datagen does for multi-turn prompt
+    files, turn r is answered after the target's own answers to turns 1..r-1, and the sample holds the whole
+    conversation (the exact tokens the target generated, the template's tokens between turns). All conversations'
+    turn r are generated together, batched by length. A conversation stops before a turn whose context already
+    has `max_context` tokens (0 = no limit; training cuts samples there anyway) and after an answer that hit
+    max_new_tokens (a cut answer is no context for the next turn); `turns` counts the turns answered."""
+    eos = tokenizer.eos_token_id
+    convs = [[p] if isinstance(p, str) else list(p) for p in prompts]
+    samples = [{"input_ids": [], "loss_mask": [], "turns": 0} for _ in convs]
+    messages: list[list[dict]] = [[] for _ in convs]
+    open_ = [True] * len(convs)
+    for r in range(max(len(c) for c in convs)):
+        todo, contexts = [], []
+        for i, conv in enumerate(convs):
+            if not open_[i] or r >= len(conv):
+                continue
+            step = next_turn_ids(tokenizer, messages[i], conv[r])
+            context = samples[i]["input_ids"] + (step or [])
+            if step is None or (max_context and len(context) >= max_context):
+                open_[i] = False
+                continue
+            todo.append(i)
+            contexts.append(context)
+        if not todo:
+            break
+        answers = generate_batch(model, contexts, max_new_tokens, eos, batch_size, temperature, seed + 7919 * r,
+                                 log_every, **generate_kwargs)
+        for i, context, answer in zip(todo, contexts, answers):
+            s = samples[i]
+            s["loss_mask"] += [0] * (len(context) - len(s["input_ids"])) + [1] * len(answer)
+            s["input_ids"] = context + answer
+            s["turns"] += 1
+            text = tokenizer.decode(answer[:-1] if answer[-1:] == [eos] else answer, skip_special_tokens=False)
+            messages[i] += [{"role": "user", "content": convs[i][r]}, {"role": "assistant", "content": text}]
+            open_[i] = answer[-1:] == [eos]
+        log.info("turn %d: %d conversations answered", r + 1, len(todo))
     return samples
 
 

@@ -1,0 +1,201 @@
+"""MoE targets for bench/extract_bench.py: the shapes (random weights), the reduced depth of the DeepSeek-V3
+shape that fits one GPU, a skewed router, the routing load, and the ceiling of the experts' GEMMs alone.
+
+- `qwen3-30b-a3b`: Qwen3-30B-A3B at full depth (48 layers, hidden 2048, 128 experts of width 768, top 8).
+- `dsv3`: DeepSeek-V3 (hidden 7168, MLA, 256 routed experts of width 2048, top 8 in 4 of 8 groups, one shared
+  expert, the first 3 layers dense) with as many layers as fit the device's memory less `reserve` for the batch
+  (fit.weight_estimate, bf16): 8 on an H200 (3 dense + 5 MoE, ~125 GB).
+- `tiny-moe`, `tiny-mla`: the same two architectures at test size (--smoke).
+
+The expert ceiling: the routed experts' GEMMs of one batch (token_budget tokens x top-k rows, gate_up then
+down) timed alone with each kernel that can run them (torch's grouped_mm on the routed offsets; bmm over equal
+groups), the best of them, beside one dense GEMM of the same rows. The "ceiling roofline" is the tokens/s of
+the model if its experts ran at that ceiling and everything else at the dense matmul rate.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import numpy as np
+import torch
+
+from eagle3.extract.moe import moe_blocks
+from eagle3.fit import weight_estimate
+from eagle3.flops import routed_expert_params, sample_flops
+
+_DSV3 = dict(hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048, n_routed_experts=256,
+             num_experts_per_tok=8, n_shared_experts=1, n_group=8, topk_group=4, first_k_dense_replace=3,
+             num_attention_heads=128, num_key_value_heads=128, q_lora_rank=1536, kv_lora_rank=512,
+             qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, routed_scaling_factor=2.5,
+             norm_topk_prob=True, vocab_size=129280, max_position_embeddings=16384, rope_scaling=None,
+             tie_word_embeddings=False)
+MOE_SHAPES = {
+    "qwen3-30b-a3b": ("Qwen3MoeConfig", dict(
+        hidden_size=2048, intermediate_size=6144, num_hidden_layers=48, num_attention_heads=32,
+        num_key_value_heads=4, head_dim=128, moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8,
+        norm_topk_prob=True, vocab_size=151936, max_position_embeddings=16384, rope_theta=1e6,
+        tie_word_embeddings=False)),
+    "dsv3": ("DeepseekV3Config", _DSV3),  # num_hidden_layers: dsv3_layers()
+    "tiny-moe": ("Qwen3MoeConfig", dict(
+        hidden_size=128, intermediate_size=256, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=32, moe_intermediate_size=64, num_experts=16, num_experts_per_tok=4, norm_topk_prob=True,
+        vocab_size=1024, max_position_embeddings=2048)),
+    "tiny-mla": ("DeepseekV3Config", dict(
+        hidden_size=128, intermediate_size=256, moe_intermediate_size=64, n_routed_experts=16, num_experts_per_tok=4,
+        n_shared_experts=1, n_group=4, topk_group=2, first_k_dense_replace=1, num_attention_heads=4,
+        num_key_value_heads=4, q_lora_rank=64, kv_lora_rank=32, qk_nope_head_dim=32, qk_rope_head_dim=16,
+        v_head_dim=32, routed_scaling_factor=1.0, norm_topk_prob=True, vocab_size=1024,
+        max_position_embeddings=2048, rope_scaling=None, num_hidden_layers=8)),
+}
+MOE_BUDGET = {"qwen3-30b-a3b": 32768, "dsv3": 16384, "tiny-moe": 1024, "tiny-mla": 1024}
+H200_BYTES = 139 << 30  # what one H200 offers torch (the device tool's figure), for the CPU's dry runs
+RESERVE_BYTES = 24 << 30  # the batch's activations, the CUDA context and the allocator's slack at budget 16384
+
+
+def dsv3_layers(device_bytes: int, reserve: int = RESERVE_BYTES) -> int:
+    """The most layers of the DeepSeek-V3 shape whose bf16 weights fit device_bytes - reserve."""
+    n = _DSV3["first_k_dense_replace"] + 1
+    while weight_estimate({**_DSV3, "num_hidden_layers": n + 1}, 1, "bfloat16").total_bytes <= device_bytes - reserve:
+        n += 1
+    return n
+
+
+def moe_config(name: str, device) -> object:
+    import transformers
+
+    cls_name, fields = MOE_SHAPES[name]
+    fields = dict(fields)
+    if name == "dsv3":
+        mem = torch.cuda.mem_get_info(device)[1] if torch.device(device).type == "cuda" else H200_BYTES
+        fields["num_hidden_layers"] = dsv3_layers(mem)
+    return getattr(transformers, cls_name)(**fields, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2)
+
+
+def build_moe_model(name: str, device, dtype):
+    """(model, model_path) of a random-weight MoE shape built on `device` (seed 0: rebuilt identically)."""
+    from transformers import AutoModelForCausalLM
+
+    cfg = moe_config(name, device)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    return model.eval(), f"random-{name}"
+
+
+def is_moe(model) -> bool:
+    return bool(moe_blocks(model.model.layers))
+
+
+# -- routing ----------------------------------------------------------------------------------------
+
+def skew_router(model, exponent: float, seed: int = 0) -> dict:
+    """A Zipf-like preference over experts, set in the router weights: expert e's router row is scaled by
+    rank_e^-exponent (ranks shuffled per layer, scales normalized to mean 1), so its logits spread wider and it
+    wins the top-k more often. Returns the original rows, for restore_router."""
+    rng = np.random.default_rng(seed)
+    saved = {}
+    with torch.no_grad():
+        for i, block in enumerate(moe_blocks(model.model.layers)):
+            w = block.gate.weight
+            saved[i] = w.detach().clone()
+            scale = np.arange(1, w.shape[0] + 1, dtype=np.float64) ** -exponent
+            scale = rng.permutation(scale / scale.mean())
+            w.mul_(torch.tensor(scale, dtype=w.dtype, device=w.device)[:, None])
+    return saved
+
+
+def restore_router(model, saved: dict) -> None:
+    with torch.no_grad():
+        for i, block in enumerate(moe_blocks(model.model.layers)):
+            block.gate.weight.copy_(saved[i])
+
+
+@torch.inference_mode()
+def routing_load(model, ids: torch.Tensor) -> dict:
+    """How the tokens of `ids` spread over the experts, per MoE layer (read from the experts' top-k indices):
+    the busiest expert's load over the mean, and the share of routed rows the busiest 10% of experts get; the
+    mean over layers, and the first MoE layer's counts (the skewed ceiling's shape)."""
+    blocks, counts = moe_blocks(model.model.layers), []
+    n = blocks[0].experts.num_experts
+
+    def hook(module, args, kwargs):
+        top_k_index = args[1] if len(args) > 1 else kwargs["top_k_index"]
+        counts.append(torch.bincount(top_k_index.flatten(), minlength=n)[:n].cpu().numpy())
+
+    hooks = [b.experts.register_forward_pre_hook(hook, with_kwargs=True) for b in blocks]
+    try:
+        model.model(input_ids=ids, use_cache=False)
+    finally:
+        for h in hooks:
+            h.remove()
+    top = max(1, n // 10)
+    per_layer = [{"max_over_mean": float(c.max() / c.mean()),
+                  "top10pct_share": float(np.sort(c)[::-1][:top].sum() / c.sum())} for c in counts]
+    return {"experts": n, "layers": len(counts), "first_layer_counts": counts[0].tolist(),
+            **{k: statistics.mean(p[k] for p in per_layer) for k in per_layer[0]}}
+
+
+# -- the experts' GEMMs alone ---------------------------------------------------------------------------
+
+def _timed(fn, device, reps: int) -> float:
+    fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def expert_gemm_ceiling(cfg, tokens: int, device, dtype, counts=None, reps: int = 10) -> dict:
+    """FLOP/s of the routed experts' gate_up + down GEMMs for one batch of `tokens` tokens, per kernel that runs
+    them here, at `counts` rows per expert (default: uniform), and of one dense GEMM pair over the same rows."""
+    t = cfg.get_text_config()
+    H, I, k = t.hidden_size, t.moe_intermediate_size, t.num_experts_per_tok
+    E = getattr(t, "n_routed_experts", None) or t.num_experts
+    rows = tokens * k
+    counts = np.full(E, rows // E) if counts is None else np.asarray(counts, dtype=np.float64)
+    counts = np.floor(counts / counts.sum() * rows).astype(np.int64)
+    counts[np.argmax(counts)] += rows - counts.sum()
+    flops = 2.0 * rows * (H * 2 * I + I * H)
+    g = torch.Generator(device=device).manual_seed(0)
+    x = torch.randn(rows, H, device=device, dtype=dtype, generator=g)
+    w_up = torch.randn(E, 2 * I, H, device=device, dtype=dtype, generator=g) * 0.02  # transformers' layout
+    w_down = torch.randn(E, H, I, device=device, dtype=dtype, generator=g) * 0.02
+    offs = torch.tensor(np.cumsum(counts), device=device, dtype=torch.int32)
+    out = {"tokens": tokens, "rows": rows, "experts": E, "hidden": H, "width": I, "top_k": k,
+           "max_rows_per_expert": int(counts.max()), "min_rows_per_expert": int(counts.min()), "kernels": {}}
+    grouped = getattr(torch.nn.functional, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+    kernels = {"grouped_mm": lambda: grouped(grouped(x, w_up.transpose(-2, -1), offs=offs)[:, :I].contiguous(),
+                                             w_down.transpose(-2, -1), offs=offs)}
+    if counts.min() == counts.max():  # bmm needs equal groups
+        xb = x.view(E, rows // E, H)
+        kernels["bmm"] = lambda: torch.bmm(torch.bmm(xb, w_up.transpose(-2, -1))[..., :I], w_down.transpose(-2, -1))
+    dense_up, dense_down = w_up[0].t().contiguous(), w_down[0].t().contiguous()
+    dense = lambda: (x @ dense_up)[:, :I] @ dense_down  # noqa: E731
+    for name, fn in kernels.items():
+        try:
+            out["kernels"][name] = flops / _timed(fn, device, reps)
+        except (RuntimeError, NotImplementedError, TypeError) as e:  # a kernel this device/dtype lacks
+            out["kernels"][name] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+    rates = [v for v in out["kernels"].values() if isinstance(v, float)]
+    out["dense_same_rows"] = flops / _timed(dense, device, reps)
+    out["ceiling"] = max(rates) if rates else None
+    out["ceiling_over_dense"] = out["ceiling"] / out["dense_same_rows"] if rates else None
+    return out
+
+
+def ceiling_roofline(cfg, lengths: np.ndarray, ceiling: float, matmul: float) -> dict:
+    """Tokens/s over samples of `lengths` if the routed experts ran at `ceiling` and everything else at `matmul`
+    FLOP/s."""
+    d = cfg.to_dict()
+    experts = 2.0 * routed_expert_params(d) * float(lengths.sum())
+    total = sum(sample_flops(d, int(n)) for n in lengths)
+    return {"expert_flops_fraction": experts / total,
+            "tok_per_s": float(lengths.sum()) / (experts / ceiling + (total - experts) / matmul)}

@@ -1,0 +1,69 @@
+"""How the extractor runs a target with routed experts, chosen from the model's config: the experts kernel
+(transformers' `experts_implementation`) and what is compiled (`compile_scope`). Dense targets are unchanged.
+
+Defaults per target class (eagle3.flops.target_class): CLASS_DEFAULTS. Today's MoE default is what was measured
+fastest so far (one H200, 2026-12-04, random Qwen3-30B-A3B shape, docs/benchmarks.md "Extraction rates by target
+class"): transformers' grouped_mm experts, each decoder layer compiled (steady 47.6-50.0K tokens/s = 54-57% of
+the active-parameter roofline, eager 21-23K). The other values are levers `bench/extract_bench.py --variants`
+compares side by side on the device (docs/device-runs.md); the winner replaces the table's row.
+"""
+
+from __future__ import annotations
+
+from eagle3.errors import ConfigError
+from eagle3.flops import target_class
+
+# transformers' experts kernels that need nothing beyond torch (deepgemm and sonicmoe fetch kernels from the hub)
+EXPERTS_CHOICES = ("auto", "eager", "batched_mm", "grouped_mm")
+# layers: each decoder layer (and the final norm) compiled, one graph for all; moe-blocks: only the MoE blocks
+# (router, routed and shared experts), attention and dense layers eager
+COMPILE_SCOPES = ("auto", "layers", "moe-blocks")
+CLASS_DEFAULTS = {
+    "dense": {"experts_implementation": None, "compile_scope": "layers"},
+    "moe": {"experts_implementation": "grouped_mm", "compile_scope": "layers"},
+    "mla": {"experts_implementation": None, "compile_scope": "layers"},  # not measured: as dense
+    "moe-mla": {"experts_implementation": "grouped_mm", "compile_scope": "layers"},  # not measured: as moe
+}
+
+
+def model_class(model) -> str:
+    return target_class(model.config.get_text_config().to_dict())
+
+
+def resolve(model, experts: str, compile_scope: str) -> dict:
+    """The class of `model` and the values its "auto"s take: {"class", "experts_implementation", "compile_scope"}."""
+    cls = model_class(model)
+    d = CLASS_DEFAULTS[cls]
+    if experts != "auto" and d["experts_implementation"] is None:
+        raise ConfigError(f"extract param experts_implementation={experts!r}: the target is {cls}, it has no routed "
+                          f"experts; use 'auto'")
+    return {"class": cls, "experts_implementation": d["experts_implementation"] if experts == "auto" else experts,
+            "compile_scope": d["compile_scope"] if compile_scope == "auto" else compile_scope}
+
+
+def apply_experts_implementation(model, name: str | None) -> None:
+    """Switch the model's experts kernel (a no-op for dense targets or when it already runs `name`)."""
+    if name is None or getattr(model.config, "_experts_implementation", None) == name:
+        return
+    try:
+        model.set_experts_implementation(name)
+    except (ValueError, ImportError, RuntimeError) as e:
+        raise ConfigError(f"extract param experts_implementation={name!r}: transformers refuses it for "
+                          f"{type(model).__name__}: {e}") from e
+
+
+def moe_blocks(layers) -> list:
+    """The MLP modules of the layers that route to experts (they hold an `experts` submodule)."""
+    return [layer.mlp for layer in layers if hasattr(getattr(layer, "mlp", None), "experts")]
+
+
+def compile_targets(base, scope: str) -> list:
+    """The modules whose forward is compiled for `scope`."""
+    if scope == "layers":
+        return [*base.layers, base.norm]
+    if scope == "moe-blocks":
+        blocks = moe_blocks(base.layers)
+        if not blocks:
+            raise ConfigError("extract param compile_scope='moe-blocks': the target has no MoE block; use 'layers'")
+        return blocks
+    raise ConfigError(f"extract param compile_scope={scope!r}: use one of {list(COMPILE_SCOPES)}")

@@ -1,0 +1,45 @@
+"""The extraction rate to expect, per target class, from what was measured: preflight's time estimate.
+
+A measured rate is kept as the fraction of the active-parameter roofline it reached (eagle3.flops: FLOPs a token
+at the sustained bf16 matmul rate), so it carries over to other targets of its class. The table and its sources
+are docs/benchmarks.md, "Extraction rates by target class"; a class not measured yet borrows the nearest measured
+one and the estimate says so. Torch-free.
+"""
+
+from __future__ import annotations
+
+from eagle3.flops import flops_per_token, target_class
+
+H200_SUSTAINED_FLOPS = 664e12  # bf16 matmul held for seconds on one H200 (docs/benchmarks.md)
+MEASURED = {
+    "dense": {"fraction": 0.85, "figure": "36.2-36.9K tokens/s wall = 85% of the sustained roofline, random "
+                                          "Llama-3.1-8B shape, compiled", "source": "docs/benchmarks.md, H200, 2026-12-03"},
+    "moe": {"fraction": 0.46, "figure": "41.0K tokens/s wall = 46% of the active-parameter roofline, random "
+                                        "Qwen3-30B-A3B shape, compiled (warm compile cache)",
+            "source": "docs/benchmarks.md, H200, 2026-12-04"},
+}
+BORROW = {"mla": "dense", "moe-mla": "moe"}  # not measured yet
+
+
+def expected_rate(model_config: dict, mean_length: int, matmul_flops: float = H200_SUSTAINED_FLOPS) -> dict:
+    """Tokens/s one GPU is expected to extract for this target: its class's measured fraction of the roofline."""
+    cls = target_class(model_config)
+    used = cls if cls in MEASURED else BORROW[cls]
+    m = MEASURED[used]
+    roofline = matmul_flops / flops_per_token(model_config, mean_length)
+    note = (f"{cls} target: {m['fraction']:.0%} of the roofline, as measured for {used} targets ({m['figure']}; "
+            f"{m['source']})")
+    if used != cls:
+        note += f"; {cls} targets are not measured yet"
+    return {"class": cls, "rate_class": used, "measured": used == cls, "fraction": m["fraction"],
+            "roofline_tok_per_s": roofline, "tok_per_s": m["fraction"] * roofline, "note": note}
+
+
+def time_estimate(model_config: dict, tokens: int, mean_length: int, gpus: int, tp_size: int = 1) -> dict:
+    """Hours to extract `tokens` on one H200 at the class's rate, and on `gpus` GPUs running gpus // tp_size shards
+    at once (scaling assumed linear: not measured)."""
+    r = expected_rate(model_config, mean_length)
+    one = tokens / r["tok_per_s"] / 3600
+    groups = max(1, gpus // max(1, tp_size))
+    return {**r, "tokens": tokens, "mean_length": mean_length, "hours_one_gpu": one, "gpus": gpus,
+            "hours": one / groups if gpus else None}

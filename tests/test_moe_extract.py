@@ -1,0 +1,246 @@
+"""MoE and MLA targets in the extractor, on the CPU: the FLOP count of a token (by hand and by torch's flop
+counter), the experts kernel and compile scope chosen from the model's config, the states they capture against
+`output_hidden_states`, resume byte-identical, and the per-worker compile cache across processes."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from eagle3.errors import ConfigError
+from eagle3.extract import moe
+from eagle3.extract.config import COMPILE_SCOPES, EXPERTS_CHOICES, ExtractConfig, ShardPlanConfig
+from eagle3.extract.format import ShardManifest
+from eagle3.extract.plan import plan_shards
+from eagle3.extract.reader import HiddenStateReader
+from eagle3.extract.run import extract_shard
+from eagle3.faults import ENV_VAR as FAULT_ENV, InjectedFault
+from eagle3.flops import active_linear_params, attention_dims, routed_expert_params, sample_flops, target_class
+from tests.support.configs import phase
+from tests.support.reference import reference_states
+from tests.support.synthetic import write_merged_dataset
+from tests.support.tiny_targets import _COMMON, CAPTURE, TARGETS, build_tiny_target
+
+ROOT = Path(__file__).resolve().parents[1]
+MOE_TYPES = ["qwen3_moe", "deepseek_v3"]
+LENGTHS = [90, 70, 120, 60, 100, 80, 110]  # budget 256: 2-3 samples a batch, a batch a chunk
+
+
+def tiny_config(model_type: str) -> dict:
+    return {**_COMMON, **TARGETS[model_type][1], "model_type": model_type}
+
+
+def test_active_flops_of_a_token_match_a_hand_count():
+    # DeepSeek-V3 tiny: hidden 64, 5 layers (the first dense), 4 heads, MLA q_lora 32, kv_lora 16, nope 16,
+    # rope 8, v 16; 4 experts of width 32, top 2, one shared expert; dense width 128
+    mla_attention = (64 * 32 + 32 * 4 * (16 + 8)  # q_a, q_b
+                     + 64 * (16 + 8) + 16 * 4 * (16 + 16)  # kv_a (latent + shared rope key), kv_b (k_nope, v per head)
+                     + 4 * 16 * 64)  # o
+    assert mla_attention == 12800
+    dense_mlp = 3 * 64 * 128
+    moe_mlp = 64 * 4 + 2 * 3 * 64 * 32 + 3 * 64 * 32  # router, 2 routed experts, the shared expert
+    ds = tiny_config("deepseek_v3")
+    assert active_linear_params(ds) == 5 * mla_attention + dense_mlp + 4 * moe_mlp == 163328
+    assert routed_expert_params(ds) == 4 * 2 * 3 * 64 * 32
+    # causal attention over 10 tokens: contexts 1..10, 2 x heads x (qk 24 + v 16) a context position, 5 layers
+    assert sample_flops(ds, 10) == 2 * 163328 * 10 + 5 * 2 * 4 * (24 + 16) * 55
+    # Qwen3-MoE tiny: GQA 4 heads / 2 kv heads of head_dim 16 on hidden 64, every layer MoE (4 experts, top 2)
+    qw = tiny_config("qwen3_moe")
+    gqa = 64 * 4 * 16 * 2 + 64 * 2 * 16 * 2  # q, o; k, v
+    assert active_linear_params(qw) == 5 * (gqa + 64 * 4 + 2 * 3 * 64 * 32)
+    assert sample_flops(qw, 3) == 2 * active_linear_params(qw) * 3 + 5 * 2 * 4 * 32 * 6
+    assert [target_class(c) for c in (tiny_config("llama"), qw, ds)] == ["dense", "moe", "moe-mla"]
+
+
+@pytest.mark.parametrize("model_type", MOE_TYPES)
+def test_flop_formula_matches_torchs_flop_counter(model_type):
+    """Every matmul of the decoder layers, counted by torch as it runs (eager experts: each expert multiplies
+    only the tokens routed to it): from two lengths, the part linear in the tokens equals 2 x active linear
+    params a token; the quadratic part is attention's scores and values, which torch counts unmasked (n x n,
+    where the causal formula has n(n+1)/2), or not at all where its SDPA op has no flop formula."""
+    import transformers
+    from torch.utils.flop_counter import FlopCounterMode
+    from transformers import AutoModelForCausalLM
+
+    cls_name, fields = TARGETS[model_type]
+    config = getattr(transformers, cls_name)(**{**_COMMON, **fields})
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    model.set_experts_implementation("eager")
+
+    def layer_flops(n):
+        with torch.no_grad(), FlopCounterMode(display=False) as counter:
+            model.model(input_ids=torch.randint(3, 1000, (1, n)), use_cache=False)
+        counts = counter.get_flop_counts()
+        layers = [k for k in counts if k.split(".")[-2:-1] == ["layers"]]
+        assert len(layers) == _COMMON["num_hidden_layers"]
+        return sum(counts[k][op] for k in layers for op in counts[k])
+
+    n = 12
+    c1, c2 = layer_flops(n), layer_flops(2 * n)  # c = a n + b n^2
+    a, b = (4 * c1 - c2) / (2 * n), (c2 - 2 * c1) / (2 * n * n)
+    assert a == 2 * active_linear_params(tiny_config(model_type))
+    heads, qk, v = attention_dims(tiny_config(model_type))
+    assert b in (0, _COMMON["num_hidden_layers"] * 2 * heads * (qk + v))
+
+
+@pytest.fixture(scope="module")
+def targets(tmp_path_factory, smollm2_path):
+    root = tmp_path_factory.mktemp("moe-targets")
+    return {t: build_tiny_target(t, root / t, smollm2_path) for t in [*MOE_TYPES, "llama"]}
+
+
+@pytest.fixture(scope="module")
+def merged(tmp_path_factory):
+    rng = np.random.default_rng(0)
+    samples = [rng.integers(3, 49152, n).tolist() for n in LENGTHS]
+    d = tmp_path_factory.mktemp("merge")
+    write_merged_dataset(d, samples, rows_per_file=4)
+    return plan_shards(ShardPlanConfig(str(d), 1))[0], samples
+
+
+def run(target, out, spec, **kw):
+    # 4 x 64 fp32 values a token, chunk_mb 0.02: ~20 tokens, so every batch is a chunk (resume has a middle)
+    cfg = phase(ExtractConfig, **{"model_path": str(target), "extract_dir": str(out), "capture_layers": CAPTURE,
+                                  "device": "cpu", "dtype": "float32", "token_budget": 256, "chunk_mb": 0.02,
+                                  "writer_threads": 2, **kw})
+    return extract_shard(cfg, spec)
+
+
+def chunk_bytes(shard_dir: Path) -> dict:
+    return {p.name: p.read_bytes() for p in sorted(shard_dir.glob("chunk-*.safetensors"))}
+
+
+def assert_states_equal_reference(model, shard_dir, samples, atol):
+    got = {s.row: s for s in HiddenStateReader([shard_dir], verify=True)}
+    assert sorted(got) == list(range(len(samples)))
+    for row, ids in enumerate(samples):
+        aux, final = reference_states(model, ids, CAPTURE)
+        torch.testing.assert_close(got[row].aux_hidden, aux, rtol=1e-4, atol=atol)
+        torch.testing.assert_close(got[row].final_hidden, final, rtol=1e-4, atol=atol)
+
+
+@pytest.mark.parametrize("experts", ["auto", "eager", "batched_mm"])
+@pytest.mark.parametrize("model_type", MOE_TYPES)
+def test_moe_states_equal_output_hidden_states_per_experts_kernel(model_type, experts, targets, merged, tmp_path):
+    """Batched with padding through each experts kernel (auto = the class default, grouped_mm), the states equal
+    a plain one-sample forward's; the kernel is a state param of the shard."""
+    from eagle3.models import load_model
+
+    spec, samples = merged
+    out = run(targets[model_type], tmp_path, spec, experts_implementation=experts)
+    assert out["complete"] and out["tokens"] == sum(LENGTHS)
+    m = ShardManifest.load(Path(out["shard_dir"]))
+    assert m.params["states"]["experts_implementation"] == experts and len(m.chunks) >= 3
+    assert_states_equal_reference(load_model(targets[model_type]), Path(out["shard_dir"]), samples, atol=1e-4)
+    with pytest.raises(ConfigError, match="experts_implementation='auto'" if experts != "auto" else
+                       "experts_implementation='eager'"):  # a resume may not switch the kernel
+        run(targets[model_type], tmp_path, spec, experts_implementation="eager" if experts == "auto" else "auto")
+
+
+@pytest.mark.parametrize("model_type", MOE_TYPES)
+def test_moe_shard_killed_mid_shard_resumes_byte_identical(model_type, targets, merged, tmp_path, monkeypatch):
+    spec, _ = merged
+    whole = run(targets[model_type], tmp_path / "whole", spec)
+    monkeypatch.setenv(FAULT_ENV, f"shard=0,after_chunks=2,once_file={tmp_path / 'once'}")
+    with pytest.raises(InjectedFault):
+        run(targets[model_type], tmp_path / "cut", spec)
+    resumed = run(targets[model_type], tmp_path / "cut", spec)
+    assert resumed["resumed_from_chunk"] == 2 and resumed["complete"]
+    assert chunk_bytes(Path(resumed["shard_dir"])) == chunk_bytes(Path(whole["shard_dir"]))
+
+
+def test_class_defaults_and_refusals(targets):
+    from eagle3.models import load_model
+
+    assert EXPERTS_CHOICES == moe.EXPERTS_CHOICES and COMPILE_SCOPES == moe.COMPILE_SCOPES
+    ds, llama = load_model(targets["deepseek_v3"]), load_model(targets["llama"])
+    assert moe.resolve(ds, "auto", "auto") == {"class": "moe-mla", "experts_implementation": "grouped_mm",
+                                               "compile_scope": "layers"}
+    assert moe.resolve(llama, "auto", "auto") == {"class": "dense", "experts_implementation": None,
+                                                  "compile_scope": "layers"}
+    assert len(moe.compile_targets(ds.model, "moe-blocks")) == 4  # the first layer is dense
+    with pytest.raises(ConfigError, match="experts_implementation='eager': the target is dense"):
+        moe.resolve(llama, "eager", "auto")
+    with pytest.raises(ConfigError, match="compile_scope='moe-blocks': the target has no MoE block"):
+        moe.compile_targets(llama.model, "moe-blocks")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scope", ["layers", "moe-blocks"])
+def test_compiled_moe_states_equal_output_hidden_states(scope, targets, merged, tmp_path, monkeypatch):
+    """The MoE default's path on the CPU: compiled (each layer, or only the MoE blocks) with grouped_mm."""
+    from eagle3.models import load_model
+
+    monkeypatch.setenv("EAGLE3_COMPILE_CACHE", str(tmp_path / "cache"))
+    torch._dynamo.reset()
+    spec, samples = merged
+    out = run(targets["qwen3_moe"], tmp_path, spec, compile=True, compile_scope=scope)
+    assert out["complete"]
+    assert_states_equal_reference(load_model(targets["qwen3_moe"]), Path(out["shard_dir"]), samples, atol=5e-4)
+
+
+TASK = textwrap.dedent("""
+    import json, sys, time
+    t0 = time.perf_counter()
+    from eagle3.extract.compile_cache import cache_counters
+    from eagle3.extract.config import ExtractConfig
+    from eagle3.extract.plan import ShardSpec
+    from eagle3.extract.run import extract_shard
+    from tests.support.configs import phase
+    target, out, spec, cache = sys.argv[1:5]
+    cfg = phase(ExtractConfig, model_path=target, extract_dir=out, capture_layers=[2, 3, 4], device="cpu",
+                dtype="float32", token_budget=256, chunk_mb=1, writer_threads=1, compile=True,
+                compile_cache_dir=cache)
+    r = extract_shard(cfg, ShardSpec.from_dict(json.loads(spec)))
+    print(json.dumps({"wall_s": time.perf_counter() - t0, "complete": r["complete"], **cache_counters()}))
+""")
+
+
+@pytest.mark.slow
+def test_second_shard_task_finds_the_workers_compile_cache(targets, merged, tmp_path):
+    """Two shard tasks in two fresh processes with the same compile_cache_dir: the first fills the folder, the
+    second's compilations are cache hits (FX graph cache) and nothing new is compiled."""
+    spec, _ = merged
+    cache, runs = tmp_path / "cache", []
+    for k in range(2):
+        p = subprocess.run([sys.executable, "-c", TASK, str(targets["llama"]), str(tmp_path / f"out{k}"),
+                            json.dumps(spec.to_dict()), str(cache)], cwd=ROOT, capture_output=True, text=True,
+                           timeout=900)
+        assert p.returncode == 0, p.stderr[-3000:]
+        runs.append(json.loads(p.stdout.strip().splitlines()[-1]))
+        if k == 0:
+            files = [f for f in cache.rglob("*") if f.is_file()]
+            assert files and any("fxgraph" in str(f) for f in files)
+    first, second = runs
+    assert first["complete"] and second["complete"]
+    assert first["fxgraph_cache_miss"] >= 1 and first["fxgraph_cache_hit"] == 0
+    assert second["fxgraph_cache_hit"] >= 1 and second["fxgraph_cache_miss"] == 0, runs
+
+
+def test_preflight_time_estimate_uses_the_rate_of_the_targets_class(targets, tmp_path):
+    from eagle3.extract.rates import H200_SUSTAINED_FLOPS, MEASURED
+    from eagle3.fit import load_config
+    from eagle3.flops import flops_per_token
+    from eagle3.preflight import PreflightConfig, format_report, run_preflight
+    from eagle3.sections import TargetConfig
+
+    for model_type, cls, used in [("llama", "dense", "dense"), ("qwen3_moe", "moe", "moe"),
+                                  ("deepseek_v3", "moe-mla", "moe")]:
+        target = TargetConfig(model_path=str(targets[model_type])).resolved()
+        report = run_preflight(PreflightConfig(output_dir=str(tmp_path / model_type), estimated_tokens=10**7,
+                                               estimate_mean_length=1024), target, nvidia_smi=None)
+        t = report["time"]
+        assert (t["class"], t["rate_class"], t["measured"]) == (cls, used, cls == used)
+        rate = MEASURED[used]["fraction"] * H200_SUSTAINED_FLOPS / flops_per_token(load_config(target.model_path), 1024)
+        assert t["tok_per_s"] == pytest.approx(rate) and t["hours_one_gpu"] == pytest.approx(1e7 / rate / 3600)
+        text = format_report(report)
+        assert f"{cls} target: {MEASURED[used]['fraction']:.0%} of the roofline, as measured for {used}" in text
+        assert ("not measured yet" in text) == (cls != used)

@@ -1,0 +1,56 @@
+"""The quality benchmark's answer generation (tests/support/selfdistill.py) on the real SmolLM2 target: every turn of
+a conversation is answered after the target's own earlier answers, and the sample is the one the datagen's
+tokenizer (eagle3.datagen.tokenize) builds for the same conversation."""
+
+from __future__ import annotations
+
+from eagle3.datagen.tokenize import tokenize_conversation
+from tests.support import selfdistill as sd
+
+TWO_TURNS = ["What is the capital of France? Answer in one word.", "And of Italy? One word."]
+ONE_TURN = "Name a primary color. One word."
+
+
+def answers_of(tokenizer, sample: dict) -> list[str]:
+    from eagle3.datagen.tokenize import masked_runs
+
+    eos = tokenizer.eos_token_id
+    return [tokenizer.decode(run[:-1] if run[-1] == eos else run) for run in
+            masked_runs(sample["input_ids"], sample["loss_mask"])]
+
+
+def test_each_turn_is_answered_after_the_targets_own_answers(smollm2_model, smollm2_tokenizer):
+    tok = smollm2_tokenizer
+    multi, single = sd.generate_answers(smollm2_model, tok, [TWO_TURNS, ONE_TURN], max_new_tokens=16, batch_size=4)
+    assert (multi["turns"], single["turns"]) == (2, 1)
+    first, second = answers_of(tok, multi)
+    assert first and second and answers_of(tok, single)[0]
+    # the datagen's sample of the same conversation (rendered by the chat template, mask by character spans)
+    messages = [{"role": "user", "content": TWO_TURNS[0]}, {"role": "assistant", "content": first},
+                {"role": "user", "content": TWO_TURNS[1]}, {"role": "assistant", "content": second}]
+    datagen = tokenize_conversation(tok, messages)
+    n = len(multi["input_ids"])  # the datagen's rendering also has the template's newline after the last eos
+    assert multi["input_ids"] == datagen.input_ids[:n] and datagen.loss_mask[n:] == [0] * (len(datagen.input_ids) - n)
+    assert multi["loss_mask"] == datagen.loss_mask[:n]
+    # turn 2 is the greedy answer to the whole conversation so far: its context is the template's rendering
+    context = tok.apply_chat_template(messages[:3], add_generation_prompt=True, return_dict=True)["input_ids"]
+    assert multi["input_ids"][:len(context)] == context
+    assert multi["loss_mask"][:len(context)].count(1) == len(tok(first, add_special_tokens=False)["input_ids"]) + 1
+    # a one-turn prompt is the prompt's tokens then the answer's
+    prompt = sd.prompt_ids(tok, ONE_TURN)
+    assert single["input_ids"][:len(prompt)] == prompt and single["loss_mask"] == \
+        [0] * len(prompt) + [1] * (len(single["input_ids"]) - len(prompt))
+
+    # a turn whose context reaches max_context is not answered (training would cut it anyway)
+    cut, = sd.generate_answers(smollm2_model, tok, [TWO_TURNS], max_new_tokens=16, max_context=len(context))
+    assert cut["turns"] == 1 and answers_of(tok, cut) == [first]
+    none, = sd.generate_answers(smollm2_model, tok, [TWO_TURNS], max_new_tokens=16, max_context=len(prompt) // 2)
+    assert none == {"input_ids": [], "loss_mask": [], "turns": 0}
+
+
+def test_a_static_kv_cache_gives_the_same_answers(smollm2_model, smollm2_tokenizer):
+    """--gen-cache static (the quality bench's option to try on the GPU) changes the cache, not the answers."""
+    prompts = [ONE_TURN, TWO_TURNS[0]]  # two lengths: left padding in one batch
+    dynamic = sd.generate_answers(smollm2_model, smollm2_tokenizer, prompts, max_new_tokens=10)
+    assert sd.generate_answers(smollm2_model, smollm2_tokenizer, prompts, max_new_tokens=10,
+                               cache_implementation="static") == dynamic
