@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import typing
 from dataclasses import dataclass
 from pathlib import Path
@@ -188,10 +189,20 @@ def _form_values(cls, params: Mapping[str, Any]) -> dict[str, Any]:
         name = f.metadata.get("eagle3_knob", {}).get("param")
         if name:
             value = params[name]
-            if isinstance(value, str) and value.strip().isdigit() and int in typing.get_args(hints[f.name]):
-                value = int(value)
+            if isinstance(value, str) and value.strip() != "auto":
+                value = _number_from_text(value, typing.get_args(hints[f.name]))
             out[f.name] = value
     return out
+
+
+def _number_from_text(value: str, types: tuple) -> Any:
+    """"16" as 16 where the field takes an int, "0.5" as 0.5 where it takes a float; other text as it is."""
+    text = value.strip()
+    if int in types and text.isdigit():
+        return int(text)
+    if float in types and re.fullmatch(r"[0-9]*\.?[0-9]+", text):
+        return float(text)
+    return value
 
 
 # set by the run (the target and data sections, the paths, the shards), never by train_overrides

@@ -103,7 +103,8 @@ def _evaluate(p: dict) -> str:
             out.append(f"<p class='err'>{e(v['error'])}</p>")
         return "".join(out)
     lossless = lossless_text(v.get("identical_to_greedy"))
-    out.append(f"<p>{v.get('answers')} answers to {v.get('conversations')} conversations ({e(str(v.get('prompts')))}), "
+    n = v.get("conversations")
+    out.append(f"<p>{v.get('answers')} answers to {n} conversation{'' if n == 1 else 's'} ({e(str(v.get('prompts')))}), "
                f"at most {v.get('max_new_tokens')} new tokens each, on {e(str(v.get('device')))}; speculative output "
                f"<b id='lossless'>{e(lossless)}</b>. tau: tokens per target forward (accepted draft tokens + 1).</p>")
     out.append(_table(v["tables"]["by_k"], "tau"))

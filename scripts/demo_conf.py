@@ -32,7 +32,6 @@ print(json.dumps({
     "served_model_name": "smollm2",
     "datagen_client": {"concurrency": 4},
     "num_shards": 2,
-    "token_budget": 4096,
     "draft_vocab_size": 32000,
     "epochs": 8,
     "batch_size": 4,

@@ -4,8 +4,11 @@ The model tests use the drafter trained in tests/conftest.py (`trained`) and two
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -106,6 +109,24 @@ def two_questions(tmp_path: Path) -> Path:
     return path
 
 
+@contextlib.contextmanager
+def log_lines(logger_name: str):
+    """The messages logged under `logger_name` (INFO and up), on a handler of its own: importing Airflow
+    reconfigures the root logger (structlog), which would drop pytest's caplog handler."""
+    lines: list[str] = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = lambda record: lines.append(record.getMessage())
+    logger = logging.getLogger(logger_name)
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        yield lines
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+
+
 @pytest.mark.slow
 def test_turn_two_is_asked_after_the_targets_own_greedy_answer(trained, smollm2_model, smollm2_tokenizer):
     from eagle3.evaluate.evaluation import build_turn_prompts
@@ -133,8 +154,17 @@ def test_mtbench_evaluation_of_two_questions_is_lossless_at_each_k(trained, smol
     params = {"export_dir": trained[1]["export_dir"], "model_path": str(smollm2_path),
               "output_dir": str(tmp_path / "eval"), "prompts_file": str(two_questions(tmp_path)), "ks": [2, 3],
               "max_new_tokens": 12, "floor_max_prompts": 2}
-    r = evaluate_phase(phase(EvalConfig, **params))
+    with warnings.catch_warnings(record=True) as warned, log_lines("eagle3.evaluate") as lines:
+        warnings.simplefilter("always")
+        r = evaluate_phase(phase(EvalConfig, **params))
     assert r["identical_to_greedy"] is True and r["conversations"] == 2 and r["answers"] == 4
+    # the task log: progress at each k, then the result table; no library deprecation notice (the KV cache goes
+    # by the name the installed transformers takes: eagle3.models.kv_cache_kwarg)
+    # the trained drafter at each k, then the random floor at the first k
+    assert [ln.split(":")[0] for ln in lines if ln.startswith("k=")] == ["k=2", "k=3", "k=2"], lines
+    table = next(ln for ln in lines if ln.startswith("evaluation of ")).splitlines()
+    assert table[1].split()[:2] == ["k", "tau"] and table[2].split()[:2] == ["2", f"{r['tau']['2']:.2f}"], table
+    assert not [str(w.message) for w in warned if "deprecat" in str(w.message).lower()]
     assert set(r["tau"]) == {"2", "3"} and set(r["tau_random_init"]) == {"2"}  # the floor at the first k
     for k, res in r["results"]["trained"]["by_k"].items():
         assert res["k"] == int(k) and len(res["acceptance_rate_by_position"]) == int(k)
@@ -151,7 +181,9 @@ def test_mtbench_evaluation_of_two_questions_is_lossless_at_each_k(trained, smol
     assert (tmp_path / "eval" / "acceptance.png").read_bytes()[:4] == b"\x89PNG"
     # the operator: same params -> the finished report is reused; it returns a small summary
     t = time.time()
-    summary = EvaluateDrafterOperator(task_id="evaluate", config=params).execute({})
+    composed = {**{k: v for k, v in params.items() if k != "model_path"},
+                "target": {"model_path": params["model_path"]}}  # the run config's shape: the target section
+    summary = EvaluateDrafterOperator(task_id="evaluate", config=composed).execute({})
     assert time.time() - t < 5 and summary["tau"] == {k: round(v, 3) for k, v in r["tau"].items()}
     assert summary["answers"] == 4 and len(json.dumps(summary)) < 600
 

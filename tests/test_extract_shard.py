@@ -440,6 +440,17 @@ def test_auto_padding_bounds_batch_lengths_and_their_padding(tmp_path):
         with pytest.raises(ConfigError, match=rf"extract param pad_multiple \(trigger-form param "
                                               rf"extract_pad_multiple\) must .*got {bad!r}"):
             phase(ExtractConfig, **base, device="cpu", pad_multiple=bad)
+    # token_budget and chunk_mb: auto = big batches and chunk files on a GPU, small ones on the CPU (AUTO_PLAN)
+    cpu, gpu = (resolve_for_device(phase(ExtractConfig, **base, device=d)) for d in ("cpu", "cuda"))
+    assert (cpu.token_budget, cpu.chunk_mb, gpu.token_budget, gpu.chunk_mb) == (256, 1, 16384, 1024)
+    given = resolve_for_device(phase(ExtractConfig, **base, device="cpu", token_budget=4096, chunk_mb=0.5))
+    assert (given.token_budget, given.chunk_mb) == (4096, 0.5)
+    form = RunConfig.from_params({"token_budget": "512", "chunk_mb": "0.5"}, "r").extract  # the form's text
+    assert (form.token_budget, form.chunk_mb) == (512, 0.5)
+    for name, bad, why in (("token_budget", "big", "must match"), ("chunk_mb", "2", "must be a number or 'auto'"),
+                           ("chunk_mb", 0, "must be > 0")):
+        with pytest.raises(ConfigError, match=rf"extract param {name} .*{why}"):
+            phase(ExtractConfig, **base, **{name: bad})
 
 
 def test_fp8_storage_halves_bytes_and_stays_close(batched, spec, smollm2_path, reference, tmp_path):

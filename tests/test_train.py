@@ -158,7 +158,7 @@ def test_resume_after_sigkill_reproduces_uninterrupted_run(shards, smollm2_path,
     cfg = small_config(shards, kill_dir, model_path=smollm2_path, max_steps=steps, checkpoint_every=3)
     kill_dir.mkdir()
     cfg_file = tmp_path / "cfg.json"
-    cfg_file.write_text(json.dumps(dataclasses.asdict(cfg)))
+    cfg_file.write_text(json.dumps(dataclasses.asdict(cfg)))  # the sections as objects, built back by main
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     cmd = [sys.executable, "-m", "eagle3.train.trainer", str(cfg_file)]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -286,12 +286,13 @@ def test_train_operator_skips_a_finished_run(trained):
     from eagle3_airflow.operators.train import TrainDrafterOperator
 
     cfg, report = trained
-    params = {k: getattr(cfg, k) for k in ("batch_size", "max_steps", "lr", "warmup_ratio", "checkpoint_every",
-                                            "ttt_steps", "seed")}
+    # the composed run config's train part, as preflight's XCom holds it: the target and data sections as objects
+    config = {"target": {"model_path": cfg.target.model_path}, "data": {"max_seq_len": cfg.max_seq_len},
+              "output_dir": cfg.output_dir, **{k: getattr(cfg, k) for k in (
+                  "batch_size", "max_steps", "lr", "warmup_ratio", "checkpoint_every", "ttt_steps", "seed")}}
     t = time.time()
     res = TrainDrafterOperator(task_id="train", shard_dirs=[{"shard_dir": d} for d in cfg.shard_dirs],
-                               config={"model_path": cfg.model_path, "output_dir": cfg.output_dir,
-                                       "max_seq_len": cfg.max_seq_len}, overrides=params).execute({})
+                               config=config).execute({})
     assert time.time() - t < 5 and res["steps"] == 24 and res["export_dir"] == report["export_dir"]
     json.dumps(res)
 

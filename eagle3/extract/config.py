@@ -33,6 +33,11 @@ STATE_PARAMS = ("model_path", "capture_layers", "dtype", "storage_dtype", "backe
 # state params added after shards were extracted without them: what those shards ran with
 ADDED_STATE_PARAMS = {"experts_implementation": "auto"}
 PLAN_PARAMS = ("token_budget", "chunk_mb", "pad_multiple")
+# a number or "auto", resolved where the task runs (eagle3.extract.extractor.resolve_for_device)
+DEVICE_AUTO_PARAMS = ("token_budget", "chunk_mb", "pad_multiple")
+# {param: (on a GPU, on the CPU)}. A GPU: big forwards, few large chunk files (docs/benchmarks.md). The CPU: a
+# small model's demo, whose shards of ~8 answers then hold 3-4 chunks each instead of one, so a resume shows
+AUTO_PLAN = {"token_budget": (16384, 256), "chunk_mb": (1024, 1)}
 
 
 @dataclass
@@ -46,12 +51,15 @@ class ExtractConfig:
         "auto", choices=STORAGE_DTYPE_CHOICES, param="storage_dtype", section=SECTION,
         help="Dtype of the stored states; auto = the compute dtype; float8_e4m3fn = fp8 with one scale per token "
              "and layer (half the bytes of bfloat16).")
-    token_budget: int = knob(16384, min=256, param="token_budget", section=SECTION,
-                             help="Padded tokens per forward pass; lower it after an out-of-memory error.")
-    chunk_mb: float = knob(1024, gt=0, param="chunk_mb", section=SECTION,
-                           help="Target size of a chunk file in MiB (the unit of commit and resume). A chunk holds "
-                                "whole batches: below one batch's states (token_budget tokens), each batch is "
-                                "still one chunk.")
+    token_budget: int | str = knob(
+        "auto", min=256, pattern=r"^(auto|[0-9]+)$", param="token_budget", section=SECTION,
+        help="Padded tokens per forward pass; auto = 16384 on a GPU, 256 on the CPU (whose kernels gain nothing "
+             "from a larger batch, only its padding). Lower it after an out-of-memory error.")
+    chunk_mb: float | str = knob(
+        "auto", gt=0, pattern=r"^(auto|[0-9]*\.?[0-9]+)$", param="chunk_mb", section=SECTION,
+        help="Target size of a chunk file in MiB (the unit of commit and resume); auto = 1024 on a GPU, 1 on the "
+             "CPU (a few chunks a shard, so a failed shard resumes mid-way). A chunk holds whole batches: below one "
+             "batch's states (token_budget tokens), each batch is still one chunk.")
     # GPU runs pin up to writer_threads + 1 chunk buffers of chunk_mb each (made on demand: HostBufferPool);
     # 6 was best of 3/6 on the H200's disk (docs/benchmarks.md)
     writer_threads: int = knob(6, min=1, max=64, help="Chunks written at once (while one fsyncs, others write).")
@@ -90,9 +98,11 @@ class ExtractConfig:
     def __post_init__(self):
         check_knobs(self, "extract")
         check_patterns(self, "extract")
-        if isinstance(self.pad_multiple, str) and self.pad_multiple != "auto":
-            raise ConfigError(f"{param_label('extract', field_of(self, 'pad_multiple'))} must be an int >= 1 or "
-                              f"'auto', got {self.pad_multiple!r}")
+        for name in DEVICE_AUTO_PARAMS:  # the pattern lets the form's number-as-text through; the config has numbers
+            value = getattr(self, name)
+            if isinstance(value, str) and value != "auto":
+                raise ConfigError(f"{param_label('extract', field_of(self, name))} must be a number or 'auto', "
+                                  f"got {value!r}")
         if isinstance(self.compile, str) and self.compile != "auto":
             raise ConfigError(f"{param_label('extract', field_of(self, 'compile'))} must be true, false or 'auto', "
                               f"got {self.compile!r}")

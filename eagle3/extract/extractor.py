@@ -30,7 +30,7 @@ from eagle3.errors import ConfigError, PipelineError
 from eagle3.extract.backend import DTYPES, ExtractionBackend, HFBackend, check_attention
 from eagle3.extract.compile_cache import use_compile_cache
 from eagle3.extract.batches import PlanSegment, padded_length, plan_segments, real_token_index
-from eagle3.extract.config import ADDED_STATE_PARAMS, FP8, ExtractConfig
+from eagle3.extract.config import ADDED_STATE_PARAMS, AUTO_PLAN, FP8, ExtractConfig
 from eagle3.extract.format import CorruptChunkError, ShardManifest, load_chunk
 from eagle3.fit import bytes_per_token
 from eagle3.extract.fused_llama import FusedLlamaBackend
@@ -55,17 +55,19 @@ class ExtractOOMError(PipelineError):
 
 
 def resolve_for_device(cfg: ExtractConfig) -> ExtractConfig:
-    """The config with every device-dependent "auto" resolved: device, dtype, compile, storage_dtype and
-    pad_multiple (1 on the CPU, whose kernels build nothing per shape; "auto" stays on a GPU)."""
+    """The config with every device-dependent "auto" resolved: device, dtype, compile, storage_dtype,
+    token_budget and chunk_mb (AUTO_PLAN), and pad_multiple (1 on the CPU, whose kernels build nothing per shape;
+    "auto" stays on a GPU)."""
     device = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     cuda = device.startswith("cuda")
     dtype = cfg.target.dtype if cfg.target.dtype != "auto" else ("bfloat16" if cuda else "float32")
     check_attention(cfg.attention, device)
+    plan = {name: gpu_cpu[0 if cuda else 1] for name, gpu_cpu in AUTO_PLAN.items() if getattr(cfg, name) == "auto"}
     return dataclasses.replace(
         cfg, target=dataclasses.replace(cfg.target, dtype=dtype), device=device,
         compile=cuda if cfg.compile == "auto" else cfg.compile,
         storage_dtype=dtype if cfg.storage_dtype == "auto" else cfg.storage_dtype,
-        pad_multiple=1 if cfg.pad_multiple == "auto" and not cuda else cfg.pad_multiple)
+        pad_multiple=1 if cfg.pad_multiple == "auto" and not cuda else cfg.pad_multiple, **plan)
 
 
 @dataclass(frozen=True)
