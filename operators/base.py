@@ -6,8 +6,8 @@ phase's fields when the operator is used on its own. It builds the core's config
 key is a ConfigError naming it), calls the core and returns a small JSON-able summary. The retry policy is the
 failure class's (eagle3.errors.retried): a failure no retry changes (a config error, bad input over its
 threshold, a pre-check refusal, a wrong API key) becomes AirflowFailException, so the task fails at once;
-faults (a killed worker, a flaky endpoint) stay ordinary exceptions and keep their retries. Hugging Face libraries' output goes through the
-task log at its own level (hf_output_to_task_log).
+faults (a killed worker, a flaky endpoint) stay ordinary exceptions and keep their retries. Hugging Face
+libraries' output goes through the task log at its own level (hf_output_to_task_log).
 """
 
 from __future__ import annotations

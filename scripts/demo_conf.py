@@ -1,13 +1,13 @@
 """The DAG conf of the demo run: the real SmolLM2-135M-Instruct on the CPU, sized to finish in minutes.
 
-Data generation runs llama.cpp's OpenAI-compatible server on the model's GGUF as the local server.
+Data generation runs llama.cpp's OpenAI-compatible server (the named server `llama.cpp`) on the model's GGUF as
+the local server.
 """
 
 import argparse
 import json
 from pathlib import Path
 
-from eagle3.datagen.llama_cpp_server import command_template
 from eagle3.models import find_smollm2_gguf
 
 REPO = Path(__file__).resolve().parents[1]
@@ -27,7 +27,7 @@ print(json.dumps({
         {"name": "B1", "prompt_file": str(REPO / "data/demo/B1.jsonl"), "max_tokens": 200, "drop_truncated": False},
     ],
     "datagen_mode": "local",
-    "server_command": command_template("smollm2"),
+    "server_command": "llama.cpp",  # a named server: free-form commands are a deployment setting (off)
     "gguf": str(find_smollm2_gguf()),
     "served_model_name": "smollm2",
     "datagen_client": {"concurrency": 4},

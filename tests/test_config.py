@@ -181,3 +181,20 @@ def test_exclude_is_optional_in_the_form_and_empty_means_none():
     """Airflow's form marks a param required unless its type admits null; left empty it arrives as null."""
     assert "null" in form_params()["exclude"]["schema"]["type"]
     assert RunConfig.from_params({**with_form_defaults({}), "exclude": None}, "manual__x").merge.exclude == []
+
+
+def test_the_demo_runs_conf_passes_preflights_checks(smollm2_path, tmp_path):
+    """scripts/main.sh triggers the DAG with scripts/demo_conf.py's conf: it must pass check_run as the
+    deployment's defaults stand (a free-form server command, refused since issue 29, broke the README's command)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, str(root / "scripts" / "demo_conf.py"), "--model-path", str(smollm2_path),
+                          "--output-root", str(tmp_path)], capture_output=True, text=True, check=True,
+                         env={**os.environ, "PYTHONPATH": str(root)})
+    cfg, notes = check_run(json.loads(out.stdout), "manual__demo")
+    assert cfg.datagen.server_command and "llama_cpp_server" in cfg.datagen.server_command
+    assert cfg.datagen.gguf.endswith(".gguf") and cfg.run.dir == f"{tmp_path}/demo"
