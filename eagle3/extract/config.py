@@ -34,7 +34,7 @@ STATE_PARAMS = ("model_path", "capture_layers", "dtype", "storage_dtype", "backe
 ADDED_STATE_PARAMS = {"experts_implementation": "auto"}
 PLAN_PARAMS = ("token_budget", "chunk_mb", "pad_multiple")
 # a number or "auto", resolved where the task runs (eagle3.extract.extractor.resolve_for_device)
-DEVICE_AUTO_PARAMS = ("token_budget", "chunk_mb", "pad_multiple")
+DEVICE_AUTO_PARAMS = PLAN_PARAMS
 # {param: (on a GPU, on the CPU)}. A GPU: big forwards, few large chunk files (docs/benchmarks.md). The CPU: a
 # small model's demo, whose shards of ~8 answers then hold 3-4 chunks each instead of one, so a resume shows
 AUTO_PLAN = {"token_budget": (16384, 256), "chunk_mb": (1024, 1)}

@@ -33,6 +33,7 @@ from eagle3.extract.batches import PlanSegment, padded_length, plan_segments, re
 from eagle3.extract.config import ADDED_STATE_PARAMS, AUTO_PLAN, FP8, ExtractConfig
 from eagle3.extract.format import CorruptChunkError, ShardManifest, load_chunk
 from eagle3.fit import bytes_per_token
+from eagle3.knobs import knob_meta
 from eagle3.extract.fused_llama import FusedLlamaBackend
 from eagle3.extract.pipeline import ChunkPipeline, HostBufferPool, StateBuffers, store_states
 from eagle3.extract.plan import ShardData, ShardSpec, load_shard_data
@@ -106,7 +107,7 @@ def free_device_memory(device: torch.device) -> int:
     return 1 << 62
 
 
-MIN_TOKEN_BUDGET = 256  # the knob's minimum (ExtractConfig.token_budget)
+MIN_TOKEN_BUDGET = int(knob_meta(ExtractConfig.__dataclass_fields__["token_budget"])["min"])  # the knob's
 AT_THE_FLOOR = ("capture fewer layers (target param capture_layers), split the target over more GPUs (param "
                 "extract_tp_size), store fp8 states (param storage_dtype=float8_e4m3fn), shorten the samples (param "
                 "max_seq_len), or run on a GPU with more memory")
