@@ -28,6 +28,7 @@ figures: docs/benchmarks.md; of the staged MoE runs: docs/device-runs.md. E.g.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import itertools
 import json
@@ -46,8 +47,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.extract_limits import (DEFAULT_BUDGET, build_model, disk_probe, empty_pinned_host_cache,  # noqa: E402
-                                  interleaved_rounds, machine_limits, make_samples, matmul_sustained,
+from bench.extract_limits import (DEFAULT_BUDGET, ChunkReaper, build_model, disk_probe,  # noqa: E402
+                                  empty_pinned_host_cache, interleaved_rounds, machine_limits, make_samples, matmul_sustained,
                                   model_flops_per_sample, quantize_fp8, states_error, sync)
 from bench.extract_levers import measure_moe, measure_variants_side_by_side, parse_variants  # noqa: E402
 from bench.extract_moe import is_moe  # noqa: E402
@@ -61,7 +62,7 @@ from tests.support.synthetic import write_merged_dataset  # noqa: E402
 SMOKE = dict(models="tiny,tiny-moe,tiny-mla", device="cpu", dtype="float32", tokens="3000,1500,1500", min_len=64,
              max_len=400, budget="1024,1024,1024", writers="2", chunk_mb="1", disk_gb=0.02, naive_seconds=1.0,
              matmul_n=256, fp8="tiny", fp8_weights="tiny,tiny-moe", rounds=1, round_probe_gb=0.02, fresh_rounds=True,
-             pad_multiples="1,auto", skew=1.0, variants="batched:experts=batched_mm;budget512:budget=512",
+             pad_multiples="1,auto", skew=1.0, variants="batched:experts=batched_mm;budget512:budget=512;bad:experts=nope",
              variant_models="tiny-moe")
 
 
@@ -130,8 +131,10 @@ def run_extractor(b: Bench, t: Target, samples, writers: int, model=None, **para
     backend = BACKENDS[cfg.backend](model=model, compile=cfg.compile, attention=cfg.attention, **moe_options)
     if b.args.cold_host_buffers and b.device.type == "cuda":
         empty_pinned_host_cache(b.device)
+    reaper = ChunkReaper(work / "out") if b.args.discard_chunks else contextlib.nullcontext()
     start = time.perf_counter()
-    out = ShardExtractor(cfg, spec, backend=backend, model_config=mc).run()
+    with reaper:
+        out = ShardExtractor(cfg, spec, backend=backend, model_config=mc).run()
     wall = time.perf_counter() - start
     shutil.rmtree(work, ignore_errors=True)
     return {**out, "wall_s": round(wall, 3), "tok_per_s_wall": out["tokens"] / wall}
@@ -344,6 +347,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--matmul-seconds", type=float, default=0.0, help="also probe the sustained matmul rate for "
                     "this long, before each model and after its runs; the roofline then uses the mean of the two")
     ap.add_argument("--work-dir", default="bench_work")
+    ap.add_argument("--discard-chunks", action="store_true", help="delete each chunk once committed (a shard "
+                    "larger than the disk; with --work-dir on tmpfs, the extractor measured without the disk)")
     ap.add_argument("--real-path", default=None, help="HF folder of the real model (default: ensure_smollm2())")
     ap.add_argument("--fp8", default="", help="models also measured with fp8 *storage* (comma list)")
     ap.add_argument("--fp8-weights", default="", help="models also measured quantized to FP8 on load, through the "

@@ -48,7 +48,14 @@ def measure_variants_side_by_side(b, name: str, t, best: dict, variants: dict, w
     out = {}
     for label, over in variants.items():
         params = {**best["params"], **over}
-        v = warm_and_run(b, t, best["writer_threads"], **params)
+        try:
+            v = warm_and_run(b, t, best["writer_threads"], **params)
+        except (RuntimeError, ValueError) as e:  # an OOM or an unsupported lever costs its row, not the call
+            out[label] = {"params": params, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
+            print(f"[{name}] variant {label} {over}: failed: {out[label]['error']}", flush=True)
+            if b.device.type == "cuda":
+                torch.cuda.empty_cache()
+            continue
         out[label] = {"params": params, **{k: v.get(k) for k in ("tok_per_s_wall", "steady_tok_per_s", "wall_s",
                                                                   "setup_s", "warmup_with_compile_s")}}
         print(f"[{name}] variant {label} {over}: {v['tok_per_s_wall']:.0f} tok/s wall, {v['steady_tok_per_s']:.0f} "

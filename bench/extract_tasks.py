@@ -49,7 +49,7 @@ def child(a: argparse.Namespace) -> dict:
         return out
 
     HFBackend.capture = timed_capture
-    args = argparse.Namespace(cold_host_buffers=False)
+    args = argparse.Namespace(cold_host_buffers=False, discard_chunks=a.discard_chunks)
     b = Bench(args, device, getattr(torch, dtype_name), dtype_name, Path(a.work))
     t = Target(model, path, samples, [2, L // 2, L - 3], a.budget or DEFAULT_BUDGET[a.model], a.chunk_mb)
     r = run_extractor(b, t, samples, a.writers, compile=True, compile_cache_dir=a.cache)
@@ -72,6 +72,8 @@ def main(argv=None) -> int:
     ap.add_argument("--work", default="bench_work/tasks")
     ap.add_argument("--cache", default=None, help="the worker's compile cache folder (default: <work>/cache)")
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--discard-chunks", action="store_true", help="delete each chunk once committed (a shard larger "
+                    "than the disk; bench/extract_bench.py --discard-chunks)")
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny-moe, 3000 tokens, 2 tasks")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--out", default=None)
@@ -89,7 +91,8 @@ def main(argv=None) -> int:
         argv_k = [sys.executable, __file__, "--child", "--model", a.model, "--tokens", a.tokens, "--min-len",
                   str(a.min_len), "--max-len", str(a.max_len), "--chunk-mb", str(a.chunk_mb), "--writers",
                   str(a.writers), "--device", a.device, "--work", str(Path(a.work) / f"task{k}"), "--cache", a.cache,
-                  "--seed", str(a.seed + k)] + (["--budget", str(a.budget)] if a.budget else [])
+                  "--seed", str(a.seed + k)] + (["--budget", str(a.budget)] if a.budget else []) \
+            + (["--discard-chunks"] if a.discard_chunks else [])
         p = subprocess.run(argv_k, cwd=ROOT, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
         line = next((x for x in p.stdout.splitlines() if x.startswith("TASK ")), None)
         if p.returncode or line is None:

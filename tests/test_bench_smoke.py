@@ -28,6 +28,7 @@ def test_extract_bench_smoke_measures_every_option_on_the_cpu(tmp_path):
         assert models[name]["extractor"]["tokens"] == models[name]["tokens"]
     side = models["tiny-moe"]["side_by_side"]
     assert side["batched"]["params"]["experts_implementation"] == "batched_mm" and side["budget512"]["tok_per_s_wall"]
+    assert "experts_implementation" in side["bad"]["error"]  # a lever that fails costs its row, not the run
     assert "routed experts" in models["tiny-moe"]["fp8_weights"]["method"]
 
 
@@ -36,3 +37,16 @@ def test_train_bench_speed_runs_a_tiny_drafter_on_the_cpu(tmp_path):
     info = train_bench.speed("tiny", "eager", 3, 2, str(out))
     (r,) = json.loads(out.read_text())["results"]
     assert len(info["results"]) == 1 and r["shape"] == "tiny" and "error" not in r and r["tokens_per_s"] > 0
+
+
+def test_chunk_reaper_deletes_committed_chunks_only(tmp_path):
+    from bench.extract_limits import ChunkReaper
+
+    shard = tmp_path / "out" / "shard-00000"
+    shard.mkdir(parents=True)
+    (shard / ".chunk-000001.safetensors.tmp-1-ab").write_bytes(b"x" * 5)  # being written: kept
+    (shard / "manifest.json").write_text("{}")
+    with ChunkReaper(tmp_path / "out", period_s=0.01) as reaper:
+        (shard / "chunk-000000.safetensors").write_bytes(b"x" * 7)
+    assert sorted(p.name for p in shard.iterdir()) == [".chunk-000001.safetensors.tmp-1-ab", "manifest.json"]
+    assert (reaper.files, reaper.bytes) == (1, 7)
