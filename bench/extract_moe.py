@@ -4,7 +4,7 @@ shape that fits one GPU, a skewed router, the routing load, and the ceiling of t
 - `qwen3-30b-a3b`: Qwen3-30B-A3B at full depth (48 layers, hidden 2048, 128 experts of width 768, top 8).
 - `dsv3`: DeepSeek-V3 (hidden 7168, MLA, 256 routed experts of width 2048, top 8 in 4 of 8 groups, one shared
   expert, the first 3 layers dense) with as many layers as fit the device's memory less `reserve` for the batch
-  (fit.weight_estimate, bf16): 8 on an H200 (3 dense + 5 MoE, ~125 GB).
+  (fit.weight_estimate, bf16) with room for a 32768-token batch: 7 on an H200 (3 dense + 4 MoE, ~99 GB).
 - `tiny-moe`, `tiny-mla`: the same two architectures at test size (--smoke).
 
 The expert ceiling: the routed experts' GEMMs of one batch (token_budget tokens x top-k rows, gate_up then
@@ -49,9 +49,13 @@ MOE_SHAPES = {
         v_head_dim=32, routed_scaling_factor=1.0, norm_topk_prob=True, vocab_size=1024,
         max_position_embeddings=2048, rope_scaling=None, num_hidden_layers=8)),
 }
-MOE_BUDGET = {"qwen3-30b-a3b": 32768, "dsv3": 16384, "tiny-moe": 1024, "tiny-mla": 1024}
+# dsv3 at 32768: 1,024 routed rows an expert (256 experts, top 8); at 8192 the experts' GEMMs get 256 rows each
+MOE_BUDGET = {"qwen3-30b-a3b": 32768, "dsv3": 32768, "tiny-moe": 1024, "tiny-mla": 1024}
 H200_BYTES = 139 << 30  # what one H200 offers torch (the device tool's figure), for the CPU's dry runs
-RESERVE_BYTES = 24 << 30  # the batch's activations, the CUDA context and the allocator's slack at budget 16384
+# Left beside the weights: the extractor's 10% memory headroom (14 GiB), a 32768-token batch at hidden 7168 (~14 GB
+# by the extractor's own estimate), the experts' ceiling probe's rows (~4 GB), the CUDA context and slack. The H200
+# showed that 24 GiB was too little (2026-12-05: 8 layers left 5.6 GB, budget 16384 refused by the memory check).
+RESERVE_BYTES = 40 << 30
 
 
 def dsv3_layers(device_bytes: int, reserve: int = RESERVE_BYTES) -> int:
@@ -124,12 +128,21 @@ def routing_load(model, ids: torch.Tensor) -> dict:
         top_k_index = args[1] if len(args) > 1 else kwargs["top_k_index"]
         counts.append(torch.bincount(top_k_index.flatten(), minlength=n)[:n].cpu().numpy())
 
+    # a compiled layer runs no hook of a module inside it: the eager forwards it was compiled from run here
+    compiled = [m for m in model.modules() if "_eagle3_eager_forward" in m.__dict__]
+    saved = [m.forward for m in compiled]
     hooks = [b.experts.register_forward_pre_hook(hook, with_kwargs=True) for b in blocks]
     try:
+        for m in compiled:
+            m.forward = m.__dict__["_eagle3_eager_forward"]
         model.model(input_ids=ids, use_cache=False)
     finally:
         for h in hooks:
             h.remove()
+        for m, f in zip(compiled, saved):
+            m.forward = f
+    if len(counts) != len(blocks):
+        raise RuntimeError(f"routing_load: {len(counts)} of {len(blocks)} MoE blocks reported their routing")
     top = max(1, n // 10)
     per_layer = [{"max_over_mean": float(c.max() / c.mean()),
                   "top10pct_share": float(np.sort(c)[::-1][:top].sum() / c.sum())} for c in counts]
@@ -153,9 +166,11 @@ def _timed(fn, device, reps: int) -> float:
     return statistics.median(times)
 
 
-def expert_gemm_ceiling(cfg, tokens: int, device, dtype, counts=None, reps: int = 10) -> dict:
+def expert_gemm_ceiling(cfg, tokens: int, device, dtype, counts=None, reps: int = 10, experts=None) -> dict:
     """FLOP/s of the routed experts' gate_up + down GEMMs for one batch of `tokens` tokens, per kernel that runs
-    them here, at `counts` rows per expert (default: uniform), and of one dense GEMM pair over the same rows."""
+    them here, at `counts` rows per expert (default: uniform), and of one dense GEMM pair over the same rows.
+    `experts`: a model's experts module whose weights to use (a target that fills the GPU leaves no room for a
+    copy: DeepSeek-V3's are 14 GiB a layer); else random ones."""
     t = cfg.get_text_config()
     H, I, k = t.hidden_size, t.moe_intermediate_size, t.num_experts_per_tok
     E = getattr(t, "n_routed_experts", None) or t.num_experts
@@ -166,8 +181,12 @@ def expert_gemm_ceiling(cfg, tokens: int, device, dtype, counts=None, reps: int 
     flops = 2.0 * rows * (H * 2 * I + I * H)
     g = torch.Generator(device=device).manual_seed(0)
     x = torch.randn(rows, H, device=device, dtype=dtype, generator=g)
-    w_up = torch.randn(E, 2 * I, H, device=device, dtype=dtype, generator=g) * 0.02  # transformers' layout
-    w_down = torch.randn(E, H, I, device=device, dtype=dtype, generator=g) * 0.02
+    w_up, w_down = (getattr(experts, "gate_up_proj", None), getattr(experts, "down_proj", None))
+    if not (isinstance(w_up, torch.Tensor) and tuple(w_up.shape) == (E, 2 * I, H)
+            and isinstance(w_down, torch.Tensor) and tuple(w_down.shape) == (E, H, I)):
+        w_up = torch.randn(E, 2 * I, H, device=device, dtype=dtype, generator=g) * 0.02  # transformers' layout
+        w_down = torch.randn(E, H, I, device=device, dtype=dtype, generator=g) * 0.02
+    w_up, w_down = w_up.detach(), w_down.detach()
     offs = torch.tensor(np.cumsum(counts), device=device, dtype=torch.int32)
     out = {"tokens": tokens, "rows": rows, "experts": E, "hidden": H, "width": I, "top_k": k,
            "max_rows_per_expert": int(counts.max()), "min_rows_per_expert": int(counts.min()), "kernels": {}}

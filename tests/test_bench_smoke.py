@@ -50,3 +50,22 @@ def test_chunk_reaper_deletes_committed_chunks_only(tmp_path):
         (shard / "chunk-000000.safetensors").write_bytes(b"x" * 7)
     assert sorted(p.name for p in shard.iterdir()) == [".chunk-000001.safetensors.tmp-1-ab", "manifest.json"]
     assert (reaper.files, reaper.bytes) == (1, 7)
+
+
+def test_routing_load_reads_every_moe_block_of_a_compiled_target():
+    """The GPU run compiles whole layers, and a compiled layer runs no hook of a module inside it (seen on the
+    H200, 2026-12-05: no routing was read); routing_load runs the layers' eager forwards for its one pass."""
+    import torch
+
+    from bench.extract_moe import build_moe_model, moe_blocks, routing_load
+    from eagle3.extract.backend import HFBackend
+
+    model, path = build_moe_model("tiny-moe", "cpu", torch.float32)
+    backend = HFBackend(model=model, compile=True)
+    backend.load(path, "float32", "cpu", [1, 2])
+    ids = torch.randint(0, model.config.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
+    before = backend.capture(ids)[1]
+    load = routing_load(model, ids)
+    assert load["layers"] == len(moe_blocks(model.model.layers)) and sum(load["first_layer_counts"]) == 2 * 32 * \
+        model.config.num_experts_per_tok
+    assert torch.equal(backend.capture(ids)[1], before)  # the compiled forwards are back

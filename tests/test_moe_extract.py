@@ -233,7 +233,7 @@ def test_preflight_time_estimate_uses_the_rate_of_the_targets_class(targets, tmp
     from eagle3.sections import TargetConfig
 
     for model_type, cls, used in [("llama", "dense", "dense"), ("qwen3_moe", "moe", "moe"),
-                                  ("deepseek_v3", "moe-mla", "moe")]:
+                                  ("deepseek_v3", "moe-mla", "moe-mla")]:
         target = TargetConfig(model_path=str(targets[model_type])).resolved()
         report = run_preflight(PreflightConfig(output_dir=str(tmp_path / model_type), estimated_tokens=10**7,
                                                estimate_mean_length=1024), target, nvidia_smi=None)

@@ -14,11 +14,14 @@ H200_SUSTAINED_FLOPS = 664e12  # bf16 matmul held for seconds on one H200 (docs/
 MEASURED = {
     "dense": {"fraction": 0.85, "figure": "36.2-36.9K tokens/s wall = 85% of the sustained roofline, random "
                                           "Llama-3.1-8B shape, compiled", "source": "docs/benchmarks.md, H200, 2026-12-03"},
-    "moe": {"fraction": 0.46, "figure": "41.0K tokens/s wall = 46% of the active-parameter roofline, random "
-                                        "Qwen3-30B-A3B shape, compiled (warm compile cache)",
-            "source": "docs/benchmarks.md, H200, 2026-12-04"},
+    "moe": {"fraction": 0.54, "figure": "46.1K tokens/s wall = 54% of the active-parameter roofline, random "
+                                        "Qwen3-30B-A3B shape, compiled, fresh process, 2e6-token shard",
+            "source": "docs/benchmarks.md, H200, 2026-12-05"},
+    "moe-mla": {"fraction": 0.41, "figure": "24.3K tokens/s wall = 41% of the active-parameter roofline, random "
+                                            "DeepSeek-V3 shape at 8 layers, compiled, token_budget 8192",
+                "source": "docs/benchmarks.md, H200, 2026-12-05"},
 }
-BORROW = {"mla": "dense", "moe-mla": "moe"}  # not measured yet
+BORROW = {"mla": "dense"}  # not measured yet
 
 
 def expected_rate(model_config: dict, mean_length: int, matmul_flops: float = H200_SUSTAINED_FLOPS) -> dict:
