@@ -47,9 +47,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.extract_limits import (DEFAULT_BUDGET, ChunkReaper, build_model, disk_probe,  # noqa: E402
-                                  empty_pinned_host_cache, interleaved_rounds, machine_limits, make_samples, matmul_sustained,
-                                  model_flops_per_sample, quantize_fp8, states_error, sync)
+from bench.extract_limits import (DEFAULT_BUDGET, ChunkReaper, against_sustained, build_model,  # noqa: E402
+                                  disk_probe, empty_pinned_host_cache, interleaved_rounds, machine_limits,
+                                  make_samples, matmul_sustained, model_flops_per_sample, quantize_fp8,
+                                  states_error, sync)
 from bench.extract_levers import measure_moe, measure_variants_side_by_side, parse_variants  # noqa: E402
 from bench.extract_moe import is_moe  # noqa: E402
 from eagle3.extract.config import ExtractConfig, ShardPlanConfig  # noqa: E402
@@ -221,29 +222,6 @@ def measure_rounds(b: Bench, t: Target, best: dict, probes: dict, bytes_per_toke
     out = interleaved_rounds(a.rounds, lambda: disk_probe(b.work / "disk", probe_bytes, t.chunk_mb << 20, w, early),
                              extracts, bytes_per_token)
     return {**out, "probe_early_writeback": early}
-
-
-def against_sustained(name: str, r: dict, sustained: list[dict], tokens: int, flops: float) -> None:
-    """The figures against min(sustained roofline, disk limit): the mean of the sustained probes before and after."""
-    rate = statistics.mean(x["sustained"] for x in sustained)
-    roof = tokens / (flops / rate)
-    ext, lim = r["extractor"], min(roof, r["disk_limit_tok_per_s"])
-    r["matmul_sustained"] = {"probes": sustained, "flops": rate, "roofline_tok_per_s": roof,
-                             "fraction_of_limit": ext["tok_per_s_wall"] / lim,
-                             "steady_fraction_of_limit": ext["steady_tok_per_s"] / lim}
-    print(f"[{name}] against the sustained matmul rate ({sustained[0]['sustained'] / 1e12:.0f} before, "
-          f"{sustained[1]['sustained'] / 1e12:.0f} TFLOP/s after): roofline {roof:.0f} tok/s -> "
-          f"{100 * ext['tok_per_s_wall'] / lim:.0f}% of min(roofline, disk limit)", flush=True)
-    for rr in r.get("interleaved", {}).get("runs", []):  # the rounds against the disk around each run
-        lim_r = min(roof, rr["disk_limit_tok_per_s"])
-        rr["fraction_of_limit_sustained"] = rr["tok_per_s_wall"] / lim_r
-        rr["steady_fraction_of_limit_sustained"] = rr["steady_tok_per_s"] / lim_r
-        rr["ratio_to_naive"] = rr["tok_per_s_wall"] / r["naive"]["tok_per_s"]
-        print(f"[{name}] {rr['variant']}: {rr['tok_per_s_wall']:.0f} tok/s wall ({rr['steady_tok_per_s']:.0f} "
-              f"between first and last commit) = {100 * rr['fraction_of_limit_sustained']:.1f}% "
-              f"({100 * rr['steady_fraction_of_limit_sustained']:.1f}%) of min(sustained roofline, disk), "
-              f"{rr['ratio_to_naive']:.2f}x naive; setup {rr.get('setup_s')} s, tail {rr.get('tail_s')} s, host "
-              f"buffers made in {rr.get('host_buffer_alloc_s')} s", flush=True)
 
 
 def limits_entry(extractor: dict, naive: dict, roofline: float, disk_limit: float, bytes_per_token: int) -> dict:

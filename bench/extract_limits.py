@@ -327,3 +327,26 @@ def empty_pinned_host_cache(device=None) -> None:
     gc.collect()
     torch.cuda.synchronize(device)
     torch._C._host_emptyCache()
+
+
+def against_sustained(name: str, r: dict, sustained: list[dict], tokens: int, flops: float) -> None:
+    """The figures against min(sustained roofline, disk limit): the mean of the sustained probes before and after."""
+    rate = statistics.mean(x["sustained"] for x in sustained)
+    roof = tokens / (flops / rate)
+    ext, lim = r["extractor"], min(roof, r["disk_limit_tok_per_s"])
+    r["matmul_sustained"] = {"probes": sustained, "flops": rate, "roofline_tok_per_s": roof,
+                             "fraction_of_limit": ext["tok_per_s_wall"] / lim,
+                             "steady_fraction_of_limit": ext["steady_tok_per_s"] / lim}
+    print(f"[{name}] against the sustained matmul rate ({sustained[0]['sustained'] / 1e12:.0f} before, "
+          f"{sustained[1]['sustained'] / 1e12:.0f} TFLOP/s after): roofline {roof:.0f} tok/s -> "
+          f"{100 * ext['tok_per_s_wall'] / lim:.0f}% of min(roofline, disk limit)", flush=True)
+    for rr in r.get("interleaved", {}).get("runs", []):  # the rounds against the disk around each run
+        lim_r = min(roof, rr["disk_limit_tok_per_s"])
+        rr["fraction_of_limit_sustained"] = rr["tok_per_s_wall"] / lim_r
+        rr["steady_fraction_of_limit_sustained"] = rr["steady_tok_per_s"] / lim_r
+        rr["ratio_to_naive"] = rr["tok_per_s_wall"] / r["naive"]["tok_per_s"]
+        print(f"[{name}] {rr['variant']}: {rr['tok_per_s_wall']:.0f} tok/s wall ({rr['steady_tok_per_s']:.0f} "
+              f"between first and last commit) = {100 * rr['fraction_of_limit_sustained']:.1f}% "
+              f"({100 * rr['steady_fraction_of_limit_sustained']:.1f}%) of min(sustained roofline, disk), "
+              f"{rr['ratio_to_naive']:.2f}x naive; setup {rr.get('setup_s')} s, tail {rr.get('tail_s')} s, host "
+              f"buffers made in {rr.get('host_buffer_alloc_s')} s", flush=True)
