@@ -9,7 +9,9 @@ In ONE process on one device, side by side (bench/extract_limits.py holds the ta
     per SDPA kernel (`--attention`); fp8 storage (`--fp8`), an FP8-on-load target (`--fp8-weights`), runs between
     disk probes (`--rounds`), the sustained matmul rate (`--matmul-seconds`), levers side by side (`--variants`);
   - MoE models: the experts' GEMMs alone at the routed shapes (the ceiling) and both ratios, a skewed router
-    (`--skew`): bench/extract_levers.py, bench/extract_moe.py.
+    (`--skew`): bench/extract_levers.py, bench/extract_moe.py;
+  - the forward alone on planned batches, profiled (`--profile-batches`): bench/extract_profile.py;
+  - a shard larger than the disk, or the extractor without the disk: `--discard-chunks` (with --work-dir on tmpfs).
 Reports tokens/s, the fraction of min(roofline, disk limit) and the ratio to naive.
 
 Models: `real` = SmolLM2-135M-Instruct; random-weight `135m`, `1b`, `8b` (Llama shapes), `qwen3-30b-a3b`, `dsv3`
@@ -48,11 +50,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.extract_limits import (DEFAULT_BUDGET, ChunkReaper, against_sustained, build_model,  # noqa: E402
-                                  disk_probe, empty_pinned_host_cache, interleaved_rounds, machine_limits,
-                                  make_samples, matmul_sustained, model_flops_per_sample, quantize_fp8,
-                                  states_error, sync)
+                                  disk_probe, empty_pinned_host_cache, interleaved_rounds, limits_entry,
+                                  machine_limits, make_samples, matmul_sustained, model_flops_per_sample,
+                                  print_summary, quantize_fp8, states_error, sync)
 from bench.extract_levers import measure_moe, measure_variants_side_by_side, parse_variants  # noqa: E402
 from bench.extract_moe import is_moe  # noqa: E402
+from bench.extract_profile import run_profile  # noqa: E402
 from eagle3.extract.config import ExtractConfig, ShardPlanConfig  # noqa: E402
 from eagle3.extract.extractor import BACKENDS, ShardExtractor  # noqa: E402
 from eagle3.fit import bytes_per_token  # noqa: E402
@@ -63,8 +66,8 @@ from tests.support.synthetic import write_merged_dataset  # noqa: E402
 SMOKE = dict(models="tiny,tiny-moe,tiny-mla", device="cpu", dtype="float32", tokens="3000,1500,1500", min_len=64,
              max_len=400, budget="1024,1024,1024", writers="2", chunk_mb="1", disk_gb=0.02, naive_seconds=1.0,
              matmul_n=256, fp8="tiny", fp8_weights="tiny,tiny-moe", rounds=1, round_probe_gb=0.02, fresh_rounds=True,
-             pad_multiples="1,auto", skew=1.0, variants="batched:experts=batched_mm;budget512:budget=512;bad:experts=nope",
-             variant_models="tiny-moe")
+             pad_multiples="1,auto", skew=1.0, variant_models="tiny-moe", profile_batches=3,
+             variants="batched:experts=batched_mm;budget512:budget=512;bad:experts=nope")
 
 
 @dataclass
@@ -112,24 +115,32 @@ def run_naive(b: Bench, t: Target) -> dict:
     return {"tokens": tokens, "samples": i, "seconds": round(dt, 3), "tok_per_s": tokens / dt}
 
 
+def bench_config(b: Bench, t: Target, out_dir: Path, writers: int, params: dict) -> ExtractConfig:
+    params = {"compile": False, "backend": "hf", "attention": "auto", **params}
+    target = TargetConfig(model_path=t.model_path, capture_layers=t.layers, dtype=b.dtype_name)
+    return ExtractConfig(target=target, extract_dir=str(out_dir), device=str(b.device),
+                         token_budget=params.pop("token_budget", t.budget), chunk_mb=t.chunk_mb,
+                         writer_threads=writers, log_every_s=5.0, **params)
+
+
+def make_backend(cfg: ExtractConfig, model):
+    moe_options = {"experts": cfg.experts_implementation, "compile_scope": cfg.compile_scope} \
+        if cfg.backend == "hf" else {}
+    return BACKENDS[cfg.backend](model=model, compile=cfg.compile, attention=cfg.attention, **moe_options)
+
+
 def run_extractor(b: Bench, t: Target, samples, writers: int, model=None, **params) -> dict:
     """One shard of `samples` through the extractor as the operator runs it, timed; `params` are ExtractConfig's
     (compile, backend, attention, pad_multiple, storage_dtype, token_budget, experts_implementation, ...)."""
     model = model or t.model
-    params = {"compile": False, "backend": "hf", "attention": "auto", **params}
     work = b.work / "ext"
     shutil.rmtree(work, ignore_errors=True)
     write_merged_dataset(work / "merge", samples, rows_per_file=512)
     spec = plan_shards(ShardPlanConfig(str(work / "merge"), 1))[0]
     c = model.config
     mc = {"num_layers": c.num_hidden_layers, "hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size}
-    target = TargetConfig(model_path=t.model_path, capture_layers=t.layers, dtype=b.dtype_name)
-    cfg = ExtractConfig(target=target, extract_dir=str(work / "out"), device=str(b.device),
-                        token_budget=params.pop("token_budget", t.budget), chunk_mb=t.chunk_mb,
-                        writer_threads=writers, log_every_s=5.0, **params)
-    moe_options = {"experts": cfg.experts_implementation, "compile_scope": cfg.compile_scope} \
-        if cfg.backend == "hf" else {}
-    backend = BACKENDS[cfg.backend](model=model, compile=cfg.compile, attention=cfg.attention, **moe_options)
+    cfg = bench_config(b, t, work / "out", writers, params)
+    backend = make_backend(cfg, model)
     if b.args.cold_host_buffers and b.device.type == "cuda":
         empty_pinned_host_cache(b.device)
     reaper = ChunkReaper(work / "out") if b.args.discard_chunks else contextlib.nullcontext()
@@ -224,15 +235,6 @@ def measure_rounds(b: Bench, t: Target, best: dict, probes: dict, bytes_per_toke
     return {**out, "probe_early_writeback": early}
 
 
-def limits_entry(extractor: dict, naive: dict, roofline: float, disk_limit: float, bytes_per_token: int) -> dict:
-    limit = min(roofline, disk_limit)
-    return {"bytes_per_token": bytes_per_token, "roofline_tok_per_s": roofline, "disk_limit_tok_per_s": disk_limit,
-            "binding_limit": "compute" if roofline < disk_limit else "disk", "naive": naive, "extractor": extractor,
-            "fraction_of_limit": extractor["tok_per_s_wall"] / limit,
-            "steady_fraction_of_limit": extractor["steady_tok_per_s"] / limit,
-            "ratio_to_naive": extractor["tok_per_s_wall"] / naive["tok_per_s"]}
-
-
 def measure_model(b: Bench, name: str, n_tok: int, budget: int, chunk_mb: int, res: dict) -> None:
     a = b.args
     real_path = a.real_path
@@ -282,6 +284,11 @@ def measure_model(b: Bench, name: str, n_tok: int, budget: int, chunk_mb: int, r
     if is_moe(model):
         rate = statistics.mean(x["sustained"] for x in sustained) if sustained else res["matmul_flops"]
         r["moe"] = measure_moe(b, name, t, best, lengths.sum() / (flops / rate), rate, lengths, warm_and_run)
+    if a.profile_batches:  # the fastest variant's kernels, compiled afresh for the profile's batches
+        torch._dynamo.reset()
+        cfg = bench_config(b, t, b.work / "profile", best["writer_threads"], dict(best["params"]))
+        roof = r.get("matmul_sustained", {}).get("roofline_tok_per_s", roofline)
+        r["forward_profile"] = run_profile(b, name, t, make_backend(cfg, t.model), cfg.pad_multiple, roof)
     if a.variants and name in a.variant_models.split(","):
         r["side_by_side"] = measure_variants_side_by_side(b, name, t, best, parse_variants(a.variants), warm_and_run)
     if b.device.type == "cuda":
@@ -292,19 +299,6 @@ def measure_model(b: Bench, name: str, n_tok: int, budget: int, chunk_mb: int, r
           f"GB, {best['chunks']} chunks, {best['wall_s']:.1f}s); roofline {roofline:.0f}, disk limit {disk / bpt:.0f} "
           f"-> {100 * r['fraction_of_limit']:.0f}% of {r['binding_limit']} limit, {r['ratio_to_naive']:.1f}x naive",
           flush=True)
-
-
-def print_summary(res: dict) -> None:
-    print("\nmodel   naive tok/s  extractor tok/s (commit window*)  roofline  disk limit  %limit (*)  x naive\n"
-          "(* first to last chunk commit: an upper bound, it leaves out the pipeline fill)")
-    for name, r in res["models"].items():
-        if "error" in r:
-            print(f"{name:5s}  ERROR {r['error']}")
-            continue
-        print(f"{name:6s}  {r['naive']['tok_per_s']:11.0f}  {r['extractor']['tok_per_s_wall']:15.0f} "
-              f"({r['extractor']['steady_tok_per_s']:7.0f})  {r['roofline_tok_per_s']:8.0f}  "
-              f"{r['disk_limit_tok_per_s']:10.0f}  {100 * r['fraction_of_limit']:5.0f}% "
-              f"({100 * r['steady_fraction_of_limit']:3.0f}%)  {r['ratio_to_naive']:6.1f}")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -355,6 +349,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--variant-models", default="", help="models the --variants run on (comma list)")
     ap.add_argument("--skew", type=float, default=0.0, help="MoE models: also run with a Zipf-like router "
                     "(expert rows scaled by rank^-SKEW) and report its routing load and cost")
+    ap.add_argument("--profile-batches", type=int, default=0, help="then the forward alone on N planned batches, "
+                    "profiled: its rate, the GPU's busy share, kernel time by kind (bench/extract_profile.py)")
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny shapes, every option but compilation")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)

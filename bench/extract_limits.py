@@ -350,3 +350,25 @@ def against_sustained(name: str, r: dict, sustained: list[dict], tokens: int, fl
               f"({100 * rr['steady_fraction_of_limit_sustained']:.1f}%) of min(sustained roofline, disk), "
               f"{rr['ratio_to_naive']:.2f}x naive; setup {rr.get('setup_s')} s, tail {rr.get('tail_s')} s, host "
               f"buffers made in {rr.get('host_buffer_alloc_s')} s", flush=True)
+
+
+def limits_entry(extractor: dict, naive: dict, roofline: float, disk_limit: float, bytes_per_token: int) -> dict:
+    limit = min(roofline, disk_limit)
+    return {"bytes_per_token": bytes_per_token, "roofline_tok_per_s": roofline, "disk_limit_tok_per_s": disk_limit,
+            "binding_limit": "compute" if roofline < disk_limit else "disk", "naive": naive, "extractor": extractor,
+            "fraction_of_limit": extractor["tok_per_s_wall"] / limit,
+            "steady_fraction_of_limit": extractor["steady_tok_per_s"] / limit,
+            "ratio_to_naive": extractor["tok_per_s_wall"] / naive["tok_per_s"]}
+
+
+def print_summary(res: dict) -> None:
+    print("\nmodel   naive tok/s  extractor tok/s (commit window*)  roofline  disk limit  %limit (*)  x naive\n"
+          "(* first to last chunk commit: an upper bound, it leaves out the pipeline fill)")
+    for name, r in res["models"].items():
+        if "error" in r:
+            print(f"{name:5s}  ERROR {r['error']}")
+            continue
+        print(f"{name:6s}  {r['naive']['tok_per_s']:11.0f}  {r['extractor']['tok_per_s_wall']:15.0f} "
+              f"({r['extractor']['steady_tok_per_s']:7.0f})  {r['roofline_tok_per_s']:8.0f}  "
+              f"{r['disk_limit_tok_per_s']:10.0f}  {100 * r['fraction_of_limit']:5.0f}% "
+              f"({100 * r['steady_fraction_of_limit']:3.0f}%)  {r['ratio_to_naive']:6.1f}")

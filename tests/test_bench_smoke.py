@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from bench import extract_bench, train_bench
 
 
@@ -29,6 +31,13 @@ def test_extract_bench_smoke_measures_every_option_on_the_cpu(tmp_path):
     side = models["tiny-moe"]["side_by_side"]
     assert side["batched"]["params"]["experts_implementation"] == "batched_mm" and side["budget512"]["tok_per_s_wall"]
     assert "experts_implementation" in side["bad"]["error"]  # a lever that fails costs its row, not the run
+    for name in ("tiny", "tiny-moe"):  # the forward alone, profiled: its rate and where the kernel time went
+        prof = models[name]["forward_profile"]
+        assert prof["batches"] == 3 and prof["forward_tok_per_s"] > 0 and sum(prof["kinds"].values()) == \
+            pytest.approx(1.0)
+        assert prof["kinds"]["gemm"] > 0 and prof["kinds"].get("attention", 0) > 0
+    assert models["tiny-moe"]["forward_profile"]["kinds"]["routing"] > 0 and "routing" not in {
+        k["kind"] for k in models["tiny"]["forward_profile"]["top"]}
     assert "routed experts" in models["tiny-moe"]["fp8_weights"]["method"]
 
 

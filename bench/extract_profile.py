@@ -1,0 +1,129 @@
+"""Where a forward pass's time goes (bench/extract_bench.py `--profile-batches N`): the target's forward alone, on N
+batches planned as the extractor plans them (eagle3.extract.batches), with the fastest variant's kernels.
+
+Reports the forward-only rate (no writers, no host copies: what the extractor's pipeline could reach at most), the
+share of the profiled wall time the GPU ran a kernel (the rest is launch and host work: what CUDA graphs could
+win back), and the kernel time by kind: the routed experts' GEMMs, other GEMMs, attention, the routing and
+permutation (top-k, sort, gather/scatter, index), Inductor's fused element-wise kernels, copies, the rest. On the
+CPU the same table is read from the CPU operators (a smoke test of the code path, not a figure).
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections import defaultdict
+
+import numpy as np
+import torch
+
+from eagle3.extract.batches import padded_length, plan_batches
+
+# first match wins: a grouped GEMM is a GEMM, and an index kernel inside the experts is routing work
+KINDS = [
+    ("experts_gemm", re.compile(r"group|_grouped_mm|ptr_array", re.I)),
+    ("gemm", re.compile(r"gemm|xmma|nvjet|cutlass|cublas|aten::(mm|bmm|addmm|linear|matmul)\b|sm90_", re.I)),
+    ("attention", re.compile(r"flash|fmha|attention|sdpa|cudnn", re.I)),
+    ("routing", re.compile(r"sort|topk|radix|scatter|gather|index|histc|bincount|cumsum|masked|nonzero", re.I)),
+    ("fused_elementwise", re.compile(r"^triton_", re.I)),
+    ("copy", re.compile(r"memcpy|memset|copy|\bcat\b|contiguous|fill", re.I)),
+]
+
+
+def kind_of(kernel: str) -> str:
+    return next((k for k, rx in KINDS if rx.search(kernel)), "other")
+
+
+def pick_batches(t, pad_multiple, n: int) -> list[np.ndarray]:
+    """n batches spread over the shard's plan (longest first, so the spread covers long and short lengths)."""
+    lengths = np.array([len(s) for s in t.samples])
+    batches = [b for chunk in plan_batches(lengths, np.arange(len(lengths)), t.budget, 1 << 62, pad_multiple)
+               for b in chunk]
+    picks = np.unique(np.linspace(0, len(batches) - 1, num=min(n, len(batches))).round().astype(int))
+    return [batches[i] for i in picks]
+
+
+def batch_ids(t, rows: np.ndarray, pad_multiple, device) -> tuple[torch.Tensor, int]:
+    L = padded_length(max(len(t.samples[i]) for i in rows), pad_multiple)
+    ids = torch.zeros(len(rows), L, dtype=torch.long)
+    for j, i in enumerate(rows):
+        ids[j, :len(t.samples[i])] = torch.tensor(t.samples[i])
+    return ids.to(device), sum(len(t.samples[i]) for i in rows)
+
+
+def _sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def kernel_times(prof, device) -> dict[str, float]:
+    """Self time (seconds) per kernel (GPU) or operator (CPU) name."""
+    out: dict[str, float] = defaultdict(float)
+    for e in prof.key_averages():
+        if device.type == "cuda":
+            if e.device_type != torch.autograd.DeviceType.CUDA:
+                continue
+            us = getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
+        else:
+            us = e.self_cpu_time_total
+        if us > 0:
+            out[e.key] += us / 1e6
+    return out
+
+
+@torch.inference_mode()
+def forward_profile(b, t, backend, n_batches: int, pad_multiple) -> dict:
+    """`backend`: loaded (and compiled) as the fastest variant runs; its capture() is the forward timed."""
+    from torch.profiler import ProfilerActivity, profile
+
+    batches = [batch_ids(t, rows, pad_multiple, b.device) for rows in pick_batches(t, pad_multiple, n_batches)]
+    for ids, _ in batches:  # compile and autotune each shape first
+        backend.capture(ids)
+    _sync(b.device)
+    start = time.perf_counter()
+    for ids, _ in batches:
+        backend.capture(ids)
+    _sync(b.device)
+    wall = time.perf_counter() - start
+    real = sum(n for _, n in batches)
+    padded = sum(ids.numel() for ids, _ in batches)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if b.device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        start_p = time.perf_counter()
+        for ids, _ in batches:
+            backend.capture(ids)
+        _sync(b.device)
+        wall_p = time.perf_counter() - start_p
+    times = kernel_times(prof, b.device)
+    total = sum(times.values())
+    by_kind: dict[str, float] = defaultdict(float)
+    for name, s in times.items():
+        by_kind[kind_of(name)] += s
+    top = sorted(times.items(), key=lambda kv: -kv[1])[:12]
+    return {"batches": len(batches), "tokens": real, "padded_tokens": padded, "forward_wall_s": round(wall, 4),
+            "forward_tok_per_s": real / wall, "padding_share": 1 - real / padded,
+            "busy_share": (total / wall_p) if b.device.type == "cuda" else None,
+            "kinds": {k: v / total for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])},
+            "top": [{"name": n[:160], "s": round(s, 5), "share": s / total, "kind": kind_of(n)} for n, s in top]}
+
+
+def print_profile(name: str, p: dict, roofline: float) -> None:
+    kinds = ", ".join(f"{k} {100 * v:.0f}%" for k, v in p["kinds"].items())
+    busy = f"GPU busy {100 * p['busy_share']:.0f}% of the wall time; " if p["busy_share"] is not None else ""
+    print(f"[{name}] forward alone on {p['batches']} planned batches: {p['forward_tok_per_s']:.0f} tok/s "
+          f"({100 * p['forward_tok_per_s'] / roofline:.0f}% of the roofline), padding "
+          f"{100 * p['padding_share']:.1f}%; {busy}kernel time: {kinds}", flush=True)
+    for k in p["top"][:6]:
+        print(f"[{name}]   {100 * k['share']:5.1f}%  {k['kind']:<17} {k['name'][:110]}", flush=True)
+
+
+def run_profile(b, name: str, t, backend, pad_multiple, roofline: float) -> dict:
+    """`forward_profile` through a backend built as the fastest variant (loaded here, closed after)."""
+    backend.load(t.model_path, b.dtype_name, str(b.device), t.layers)
+    pad = 1 if pad_multiple == "auto" and b.device.type != "cuda" else pad_multiple  # as the extractor plans
+    try:
+        p = forward_profile(b, t, backend, b.args.profile_batches, pad)
+    finally:
+        backend.close()
+    print_profile(name, p, roofline)
+    return p
