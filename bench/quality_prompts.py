@@ -1,5 +1,6 @@
 """The quality run's training prompts: conversations of a prompt JSONL (`python -m eagle3 prompts sharegpt OUT`),
-their first user turn or every user turn, and what they amount to in samples and prompt tokens.
+their first user turn or every user turn, what they amount to in samples and prompt tokens, and the target's
+answers to them (`generate`, in parts kept between sessions).
 
     python bench/quality_prompts.py sharegpt.jsonl [--model DIR] [--max-prompt-tokens 768] [--out counts.json]
 
@@ -12,7 +13,9 @@ turns' prompts and answers to it. Runs on the CPU in seconds (the tokenizer only
 from __future__ import annotations
 
 import argparse
+import functools
 import json
+import logging
 import sys
 import time
 from pathlib import Path
@@ -22,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from eagle3.errors import PipelineError  # noqa: E402
 
 TURNS = ("first", "all")
+log = logging.getLogger("quality")
 
 
 def read_conversations(path: str, n: int, tokenizer, max_prompt_tokens: int, turns: str = "first") -> list[list[str]]:
@@ -77,6 +81,60 @@ def prompt_counts(conversations: list[list[str]], tokenizer) -> dict:
             "user_turn_tokens": sum(len(e) for e in enc),
             "first_turn_tokens_templated": sum(len(prompt_ids(tokenizer, c[0])) for c in conversations),
             "turns_per_sample": round(len(texts) / max(1, len(conversations)), 2)}
+
+
+def generate(args, prompts: list[list[str]], model_path: Path, root: Path, temperature: float, clock,
+             device: str, until: float | None = None) -> int:
+    """The target's answers to the conversations (--gen-turns: each one's first turn or every turn, a turn not
+    answered once its context reaches --all-turns-seq-len) in parts of --part-size conversations (a finished part
+    is never redone), one datagen-style dataset folder per part under root; no part starts that would end past
+    `until` (default: the clock's deadline). Returns the conversations answered."""
+    from eagle3.io import atomic_path
+    from eagle3.models import load_model, load_tokenizer
+    from tests.support import selfdistill as sd
+
+    parts = [(f"P{i // args.part_size:03d}", i) for i in range(0, len(prompts), args.part_size)]
+    todo = [p for p in parts if not (root / p[0] / "tokenized.jsonl").is_file()]
+    model = tok = None
+    for name, i in todo:
+        chunk = prompts[i:i + args.part_size]
+        if not clock.allows("generate", len(chunk), until):
+            log.info("generation at %s: deadline, %d parts left", root.name, len(todo) - todo.index((name, i)))
+            break
+        if model is None:
+            dtype = "bfloat16" if device == "cuda" else "float32"
+            model, tok = load_model(model_path, dtype=dtype, device=device), load_tokenizer(model_path)
+        t = time.time()
+        cache = {"cache_implementation": "static"} if args.gen_cache == "static" else {}
+        answer = functools.partial(sd.generate_answers, model, tok, chunk, args.new_tokens, batch_size=args.gen_batch,
+                                   log_every=4, temperature=temperature, seed=1 + i // args.part_size,
+                                   max_context=args.all_turns_seq_len, **cache)
+        try:
+            samples = answer(engine=args.gen_engine)
+        except Exception:  # noqa: BLE001 - an engine not measured yet must not cost the session's answers
+            if args.gen_engine == "generate":
+                raise
+            log.exception("%s/%s: --gen-engine %s failed; this and later parts use HF generate", root.name, name,
+                          args.gen_engine)
+            args.gen_engine, t = "generate", time.time()
+            samples = answer(engine="generate")
+        clock.record("generate", len(chunk), time.time() - t)
+        (root / name).mkdir(parents=True, exist_ok=True)
+        with atomic_path(root / name / "tokenized.jsonl") as tmp, open(tmp, "w") as f:
+            for j, s in enumerate(samples):
+                if s["turns"]:
+                    f.write(json.dumps({"sample_id": f"{root.name}-{i + j}", "dataset": name, **s}) + "\n")
+        log.info("%s/%s: %d answers, %.0f answer tok/s (%s)", root.name, name, len(samples),
+                 sum(sum(s["loss_mask"]) for s in samples) / (time.time() - t), args.gen_engine)
+    return answered_parts(root, args.part_size, len(prompts))[1]
+
+
+def answered_parts(root: Path, part_size: int, n_prompts: int) -> tuple[int, int]:
+    """(leading parts answered, the prompts they hold): parts are merged as a prefix, so a gap ends the count."""
+    parts = 0
+    while parts * part_size < n_prompts and (root / f"P{parts:03d}" / "tokenized.jsonl").is_file():
+        parts += 1
+    return parts, min(n_prompts, parts * part_size)
 
 
 def main() -> None:

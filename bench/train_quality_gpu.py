@@ -48,17 +48,16 @@ import torch  # noqa: E402
 
 from bench.extract_limits import fp8_extraction_backend  # noqa: E402
 from bench.quality_plan import OVERRIDE_KNOBS, Clock, Variant, main_variant, plan, recipe, studies, write_table  # noqa: E402
-from bench.quality_prompts import TURNS, first_turns, read_conversations  # noqa: E402
+from bench.quality_prompts import TURNS, answered_parts, first_turns, generate, read_conversations  # noqa: E402
 from eagle3.config import RunConfig, resolve  # noqa: E402
 from eagle3.errors import PipelineError  # noqa: E402
 from eagle3.evaluate.run import evaluate_phase  # noqa: E402
 from eagle3.extract.plan import plan_shards  # noqa: E402
 from eagle3.extract.run import extract_shard  # noqa: E402
-from eagle3.io import atomic_path, atomic_write_json, read_json  # noqa: E402
+from eagle3.io import atomic_write_json, read_json  # noqa: E402
 from eagle3.merge.run import run_merge  # noqa: E402
-from eagle3.models import COMPLETE_MARKER, convert_gguf, load_model, load_tokenizer  # noqa: E402
+from eagle3.models import COMPLETE_MARKER, convert_gguf, load_tokenizer  # noqa: E402
 from eagle3.train.run import train_phase  # noqa: E402
-from tests.support import selfdistill as sd  # noqa: E402
 
 log = logging.getLogger("quality")
 
@@ -70,47 +69,6 @@ def target_folder(args, work: Path) -> Path:
     if not (out / COMPLETE_MARKER).is_file():
         convert_gguf(args.gguf, out)
     return out
-
-
-def generate(args, prompts: list[list[str]], model_path: Path, root: Path, temperature: float, clock: Clock,
-             device: str, until: float | None = None) -> int:
-    """The target's answers to the conversations (--gen-turns: each one's first turn or every turn, a turn not
-    answered once its context reaches --all-turns-seq-len) in parts of --part-size conversations (a finished part
-    is never redone), one datagen-style dataset folder per part under root; no part starts that would end past
-    `until` (default: the clock's deadline). Returns the conversations answered."""
-    parts = [(f"P{i // args.part_size:03d}", i) for i in range(0, len(prompts), args.part_size)]
-    todo = [p for p in parts if not (root / p[0] / "tokenized.jsonl").is_file()]
-    model = tok = None
-    for name, i in todo:
-        chunk = prompts[i:i + args.part_size]
-        if not clock.allows("generate", len(chunk), until):
-            log.info("generation at %s: deadline, %d parts left", root.name, len(todo) - todo.index((name, i)))
-            break
-        if model is None:
-            dtype = "bfloat16" if device == "cuda" else "float32"
-            model, tok = load_model(model_path, dtype=dtype, device=device), load_tokenizer(model_path)
-        t = time.time()
-        cache = {"cache_implementation": "static"} if args.gen_cache == "static" else {}
-        samples = sd.generate_answers(model, tok, chunk, args.new_tokens, batch_size=args.gen_batch, log_every=4,
-                                      temperature=temperature, seed=1 + i // args.part_size,
-                                      max_context=args.all_turns_seq_len, **cache)
-        clock.record("generate", len(chunk), time.time() - t)
-        (root / name).mkdir(parents=True, exist_ok=True)
-        with atomic_path(root / name / "tokenized.jsonl") as tmp, open(tmp, "w") as f:
-            for j, s in enumerate(samples):
-                if s["turns"]:
-                    f.write(json.dumps({"sample_id": f"{root.name}-{i + j}", "dataset": name, **s}) + "\n")
-        log.info("%s/%s: %d answers, %.0f answer tok/s", root.name, name, len(samples),
-                 sum(sum(s["loss_mask"]) for s in samples) / (time.time() - t))
-    return answered_parts(root, args.part_size, len(prompts))[1]
-
-
-def answered_parts(root: Path, part_size: int, n_prompts: int) -> tuple[int, int]:
-    """(leading parts answered, the prompts they hold): parts are merged as a prefix, so a gap ends the count."""
-    parts = 0
-    while parts * part_size < n_prompts and (root / f"P{parts:03d}" / "tokenized.jsonl").is_file():
-        parts += 1
-    return parts, min(n_prompts, parts * part_size)
 
 
 def start_generation(until: float, work: Path) -> subprocess.Popen:
@@ -324,6 +282,8 @@ def parse_args():
     ap.add_argument("--no-main", action="store_true", help="the base run and ablations only (e.g. rows left)")
     ap.add_argument("--gen-turns", choices=TURNS, default="all", help="answer each conversation's first turn or all")
     ap.add_argument("--gen-cache", choices=("dynamic", "static"), default="dynamic", help="HF generate's KV cache")
+    ap.add_argument("--gen-engine", choices=("generate", "continuous"), default="generate", help="answers by HF "
+                    "generate in fixed batches, or by transformers' continuous batching (paged KV cache)")
     ap.add_argument("--all-turns-seq-len", type=int, default=2048, help="every-turn rows' cap; no turn past it")
     ap.add_argument("--studies", default="none", help="round-2 rows: groups (data, epochs, fp8, selection) or rows")
     ap.add_argument("--study-data", choices=TURNS, default="first", help="the epochs rows' data (full first/all)")

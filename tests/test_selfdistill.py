@@ -4,6 +4,8 @@ tokenizer (eagle3.datagen.tokenize) builds for the same conversation."""
 
 from __future__ import annotations
 
+import pytest
+
 from eagle3.datagen.tokenize import tokenize_conversation
 from tests.support import selfdistill as sd
 
@@ -54,3 +56,15 @@ def test_a_static_kv_cache_gives_the_same_answers(smollm2_model, smollm2_tokeniz
     dynamic = sd.generate_answers(smollm2_model, smollm2_tokenizer, prompts, max_new_tokens=10)
     assert sd.generate_answers(smollm2_model, smollm2_tokenizer, prompts, max_new_tokens=10,
                                cache_implementation="static") == dynamic
+
+
+def test_continuous_batching_gives_the_same_answers(smollm2_model, smollm2_tokenizer):
+    """--gen-engine continuous (transformers' continuous batching, paged KV cache): the same greedy tokens as HF
+    generate, every turn of a conversation included (its later turn is asked after the target's own answer)."""
+    prompts = [ONE_TURN, TWO_TURNS]
+    batched = sd.generate_answers(smollm2_model, smollm2_tokenizer, prompts, max_new_tokens=10)
+    continuous = sd.generate_answers(smollm2_model, smollm2_tokenizer, prompts, max_new_tokens=10,
+                                     engine="continuous")
+    assert continuous == batched and [s["turns"] for s in continuous] == [1, 2]
+    with pytest.raises(ValueError, match="engine='paged'"):
+        sd.generate_answers(smollm2_model, smollm2_tokenizer, prompts, max_new_tokens=10, engine="paged")

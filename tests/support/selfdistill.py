@@ -135,9 +135,33 @@ def generate_batch(model, contexts: list[list[int]], max_new_tokens: int, eos: i
     return answers
 
 
+@torch.no_grad()
+def generate_continuous(model, contexts: list[list[int]], max_new_tokens: int, eos: int, temperature: float,
+                        seed: int) -> list[list[int]]:
+    """generate_batch's answers through transformers' continuous batching (a paged KV cache, finished rows replaced
+    by waiting ones at once, CUDA graphs on a GPU) instead of fixed batches that run until their longest answer
+    ends. Greedy answers are the same tokens (tested on the CPU); sampled ones are seeded but not reproducible
+    across batch compositions."""
+    from transformers import GenerationConfig
+
+    sampling = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if temperature > 0 else \
+        dict(do_sample=False)
+    config = GenerationConfig(max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=eos, **sampling)
+    torch.manual_seed(seed)
+    out = model.generate_batch(inputs=contexts, generation_config=config, progress_bar=False)
+    if set(out) != {f"req_{i}" for i in range(len(contexts))}:  # the request ids transformers 5.x gives, in order
+        raise RuntimeError(f"continuous batching returned requests {sorted(out)[:4]}..., not req_0..req_"
+                           f"{len(contexts) - 1}: this transformers names them otherwise")
+    answers = []
+    for i in range(len(contexts)):
+        row = list(out[f"req_{i}"].generated_tokens)
+        answers.append(row[: row.index(eos) + 1] if eos in row else row)
+    return answers
+
+
 def generate_answers(model, tokenizer, prompts: list[str | list[str]], max_new_tokens: int, batch_size: int = 32,
                      log_every: int = 1, temperature: float = 0.0, seed: int = 0, max_context: int = 0,
-                     **generate_kwargs) -> list[dict]:
+                     engine: str = "generate", **generate_kwargs) -> list[dict]:
     """The target's answers as samples {input_ids, loss_mask, turns}: prompt and template tokens masked 0, each
     answer (with its eos) 1. Greedy, or sampled at `temperature` > 0 (seeded: the same call gives the same
     answers on one machine). Runs on the model's device; the samples come back in the order of `prompts`.
@@ -147,7 +171,11 @@ def generate_answers(model, tokenizer, prompts: list[str | list[str]], max_new_t
     conversation (the exact tokens the target generated, the template's tokens between turns). All conversations'
     turn r are generated together, batched by length. A conversation stops before a turn whose context already
     has `max_context` tokens (0 = no limit; training cuts samples there anyway) and after an answer that hit
-    max_new_tokens (a cut answer is no context for the next turn); `turns` counts the turns answered."""
+    max_new_tokens (a cut answer is no context for the next turn); `turns` counts the turns answered.
+    `engine`: "generate" (HF generate in batches of batch_size, generate_batch) or "continuous"
+    (generate_continuous)."""
+    if engine not in ("generate", "continuous"):
+        raise ValueError(f"engine={engine!r}: use 'generate' or 'continuous'")
     eos = tokenizer.eos_token_id
     convs = [[p] if isinstance(p, str) else list(p) for p in prompts]
     samples = [{"input_ids": [], "loss_mask": [], "turns": 0} for _ in convs]
@@ -167,8 +195,11 @@ def generate_answers(model, tokenizer, prompts: list[str | list[str]], max_new_t
             contexts.append(context)
         if not todo:
             break
-        answers = generate_batch(model, contexts, max_new_tokens, eos, batch_size, temperature, seed + 7919 * r,
-                                 log_every, **generate_kwargs)
+        if engine == "continuous":
+            answers = generate_continuous(model, contexts, max_new_tokens, eos, temperature, seed + 7919 * r)
+        else:
+            answers = generate_batch(model, contexts, max_new_tokens, eos, batch_size, temperature, seed + 7919 * r,
+                                     log_every, **generate_kwargs)
         for i, context, answer in zip(todo, contexts, answers):
             s = samples[i]
             s["loss_mask"] += [0] * (len(context) - len(s["input_ids"])) + [1] * len(answer)
