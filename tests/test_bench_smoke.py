@@ -78,3 +78,20 @@ def test_routing_load_reads_every_moe_block_of_a_compiled_target():
     assert load["layers"] == len(moe_blocks(model.model.layers)) and sum(load["first_layer_counts"]) == 2 * 32 * \
         model.config.num_experts_per_tok
     assert torch.equal(backend.capture(ids)[1], before)  # the compiled forwards are back
+
+
+def test_extract_gpus_smoke_runs_tensor_parallel_shard_per_device_and_the_rank_kill(tmp_path):
+    """bench/extract_gpus.py (several GPUs, issue 28 item 8) on the CPU with gloo: tp 1 and 2 on one shard, two
+    shard tasks at once in their own processes, rank 1 killed mid-shard and the re-run byte-identical."""
+    from bench import extract_gpus
+
+    out = tmp_path / "gpus.json"
+    assert extract_gpus.main(["--smoke", "--work", str(tmp_path / "work"), "--out", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert [x["tp_size"] for x in r["tp"]] == [1, 2] and all(x["tokens"] == r["tokens"] for x in r["tp"])
+    kill = r["kill"]
+    assert kill["failed"]["rank"] == 1 and "SIGKILL" in kill["failed"]["error"]
+    assert kill["resumed_from_chunk"] == kill["committed_before_rerun"] >= 2 and kill["byte_identical"]
+    per_gpu = r["per_gpu"]
+    assert len(per_gpu["tasks"]) == 2 and sum(t["tokens"] for t in per_gpu["tasks"]) == r["tokens"]
+    assert per_gpu["tok_per_s_aggregate"] > 0 and per_gpu["disk_bytes_per_s"] > 0
