@@ -22,9 +22,11 @@ from eagle3.extract.batches import padded_length, plan_batches
 # first match wins: a grouped GEMM is a GEMM, and an index kernel inside the experts is routing work
 KINDS = [
     ("experts_gemm", re.compile(r"group|_grouped_mm|ptr_array", re.I)),
-    ("gemm", re.compile(r"gemm|xmma|nvjet|cutlass|cublas|aten::(mm|bmm|addmm|linear|matmul)\b|sm90_", re.I)),
+    ("gemm", re.compile(r"gemm|xmma|nvjet|cutlass|cublas|triton_tem|aten::(mm|bmm|addmm|linear|matmul)\b|sm90_",
+                        re.I)),  # triton_tem: Inductor's GEMM templates
     ("attention", re.compile(r"flash|fmha|attention|sdpa|cudnn", re.I)),
-    ("routing", re.compile(r"sort|topk|radix|scatter|gather|index|histc|bincount|cumsum|masked|nonzero", re.I)),
+    ("routing", re.compile(r"sort|topk|radix|scatter|gather|index|histc|histogram|bincount|cumsum|scan|masked|"
+                           r"nonzero", re.I)),
     ("fused_elementwise", re.compile(r"^triton_", re.I)),
     ("copy", re.compile(r"memcpy|memset|copy|\bcat\b|contiguous|fill", re.I)),
 ]
