@@ -57,8 +57,9 @@ from bench.extract_levers import measure_moe, measure_variants_side_by_side, par
 from bench.extract_moe import is_moe  # noqa: E402
 from bench.extract_profile import run_profile  # noqa: E402
 from eagle3.extract.config import ExtractConfig, ShardPlanConfig  # noqa: E402
-from eagle3.extract.extractor import BACKENDS, ShardExtractor  # noqa: E402
+from eagle3.extract.extractor import BACKENDS, ShardExtractor, resolve_for_device  # noqa: E402
 from eagle3.fit import bytes_per_token  # noqa: E402
+from eagle3.models import default_capture_layers  # noqa: E402
 from eagle3.extract.plan import plan_shards  # noqa: E402
 from eagle3.sections import TargetConfig  # noqa: E402
 from tests.support.synthetic import write_merged_dataset  # noqa: E402
@@ -245,9 +246,8 @@ def measure_model(b: Bench, name: str, n_tok: int, budget: int, chunk_mb: int, r
     start = time.perf_counter()
     model, model_path = build_model(name, b.device, b.dtype, real_path)
     build_s, c = time.perf_counter() - start, model.config
-    L = c.num_hidden_layers
-    t = Target(model, model_path, make_samples(n_tok, a.min_len, a.max_len, c.vocab_size, seed=1), [2, L // 2, L - 3],
-               budget, chunk_mb)
+    t = Target(model, model_path, make_samples(n_tok, a.min_len, a.max_len, c.vocab_size, seed=1),
+               default_capture_layers(c.num_hidden_layers), budget, chunk_mb)
     lengths = np.array([len(s) for s in t.samples])
     flops = model_flops_per_sample(c, lengths)
     roofline = lengths.sum() / (flops / res["matmul_flops"])
@@ -287,6 +287,7 @@ def measure_model(b: Bench, name: str, n_tok: int, budget: int, chunk_mb: int, r
     if a.profile_batches:  # the fastest variant's kernels, compiled afresh for the profile's batches
         torch._dynamo.reset()
         cfg = bench_config(b, t, b.work / "profile", best["writer_threads"], dict(best["params"]))
+        cfg = resolve_for_device(cfg)  # pad_multiple as the extractor plans on this device
         roof = r.get("matmul_sustained", {}).get("roofline_tok_per_s", roofline)
         r["forward_profile"] = run_profile(b, name, t, make_backend(cfg, t.model), cfg.pad_multiple, roof)
     if a.variants and name in a.variant_models.split(","):

@@ -64,9 +64,7 @@ def config(a, model_dir: Path, out: Path, tp: int):
     from eagle3.extract.config import ExtractConfig
     from eagle3.sections import TargetConfig
 
-    n = json.loads((model_dir / "config.json").read_text())["num_hidden_layers"]
-    target = TargetConfig(model_path=str(model_dir), capture_layers=[2, n // 2, n - 3], tp_size=tp,
-                          dtype=a.dtype).resolved()
+    target = TargetConfig(model_path=str(model_dir), tp_size=tp, dtype=a.dtype).resolved()  # EAGLE-3's layers
     return ExtractConfig(target=target, extract_dir=str(out), device=a.device, token_budget=a.budget,
                          chunk_mb=a.chunk_mb, writer_threads=a.writers, rank_timeout_s=a.rank_timeout_s,
                          log_every_s=10.0)
@@ -193,8 +191,8 @@ def main(argv=None) -> int:
     samples = make_samples(int(float(a.tokens)), a.min_len, a.max_len, vocab, seed=1)
     write_merged_dataset(work / "merge", samples, rows_per_file=512)
     spec = plan_shards(ShardPlanConfig(str(work / "merge"), 1))[0]
-    res = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "argv": sys.argv[1:] if argv is None else argv,
-           "model": a.model, "tokens": spec.tokens, "tp": []}
+    res = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "argv": a.argv, "model": a.model,
+           "tokens": spec.tokens, "tp": []}
     tps = [int(x) for x in a.tp.split(",")]
     for tp in tps:
         r = timed_shard(a, model_dir, work / f"tp{tp}", tp, spec)

@@ -24,6 +24,7 @@ from eagle3.extract.backend import HFBackend
 from eagle3.flops import sample_flops
 from eagle3.extract.format import _start_writeback
 
+
 class ChunkReaper:
     """Deletes each committed chunk file under `root` soon after the extractor renames it into place, so that a
     shard larger than the machine's disk can run (`--discard-chunks`). With `root` on tmpfs the run then measures

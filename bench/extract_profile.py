@@ -17,6 +17,7 @@ from collections import defaultdict
 import numpy as np
 import torch
 
+from bench.extract_limits import sync
 from eagle3.extract.batches import padded_length, plan_batches
 
 # first match wins: a grouped GEMM is a GEMM, and an index kernel inside the experts is routing work
@@ -53,11 +54,6 @@ def batch_ids(t, rows: np.ndarray, pad_multiple, device) -> tuple[torch.Tensor, 
     return ids.to(device), sum(len(t.samples[i]) for i in rows)
 
 
-def _sync(device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def kernel_times(prof, device) -> dict[str, float]:
     """Self time (seconds) per kernel (GPU) or operator (CPU) name."""
     out: dict[str, float] = defaultdict(float)
@@ -79,23 +75,21 @@ def forward_profile(b, t, backend, n_batches: int, pad_multiple) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     batches = [batch_ids(t, rows, pad_multiple, b.device) for rows in pick_batches(t, pad_multiple, n_batches)]
-    for ids, _ in batches:  # compile and autotune each shape first
-        backend.capture(ids)
-    _sync(b.device)
-    start = time.perf_counter()
-    for ids, _ in batches:
-        backend.capture(ids)
-    _sync(b.device)
-    wall = time.perf_counter() - start
+
+    def forward_all() -> float:
+        start = time.perf_counter()
+        for ids, _ in batches:
+            backend.capture(ids)
+        sync(b.device)
+        return time.perf_counter() - start
+
+    forward_all()  # compile and autotune each shape first
+    wall = forward_all()
     real = sum(n for _, n in batches)
     padded = sum(ids.numel() for ids, _ in batches)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if b.device.type == "cuda" else [])
     with profile(activities=activities) as prof:
-        start_p = time.perf_counter()
-        for ids, _ in batches:
-            backend.capture(ids)
-        _sync(b.device)
-        wall_p = time.perf_counter() - start_p
+        wall_p = forward_all()
     times = kernel_times(prof, b.device)
     total = sum(times.values())
     by_kind: dict[str, float] = defaultdict(float)
@@ -120,11 +114,11 @@ def print_profile(name: str, p: dict, roofline: float) -> None:
 
 
 def run_profile(b, name: str, t, backend, pad_multiple, roofline: float) -> dict:
-    """`forward_profile` through a backend built as the fastest variant (loaded here, closed after)."""
+    """`forward_profile` through a backend built as the fastest variant (loaded here, closed after);
+    `pad_multiple` resolved for the device (eagle3.extract.extractor.resolve_for_device)."""
     backend.load(t.model_path, b.dtype_name, str(b.device), t.layers)
-    pad = 1 if pad_multiple == "auto" and b.device.type != "cuda" else pad_multiple  # as the extractor plans
     try:
-        p = forward_profile(b, t, backend, b.args.profile_batches, pad)
+        p = forward_profile(b, t, backend, b.args.profile_batches, pad_multiple)
     finally:
         backend.close()
     print_profile(name, p, roofline)

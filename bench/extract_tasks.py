@@ -32,6 +32,7 @@ def child(a: argparse.Namespace) -> dict:
     from bench.extract_limits import DEFAULT_BUDGET, build_model, make_samples, sync
     from eagle3.extract.backend import HFBackend
     from eagle3.extract.compile_cache import cache_counters
+    from eagle3.models import default_capture_layers
 
     device = torch.device(a.device)
     dtype_name = "bfloat16" if device.type == "cuda" else "float32"
@@ -51,7 +52,7 @@ def child(a: argparse.Namespace) -> dict:
     HFBackend.capture = timed_capture
     args = argparse.Namespace(cold_host_buffers=False, discard_chunks=a.discard_chunks)
     b = Bench(args, device, getattr(torch, dtype_name), dtype_name, Path(a.work))
-    t = Target(model, path, samples, [2, L // 2, L - 3], a.budget or DEFAULT_BUDGET[a.model], a.chunk_mb)
+    t = Target(model, path, samples, default_capture_layers(L), a.budget or DEFAULT_BUDGET[a.model], a.chunk_mb)
     r = run_extractor(b, t, samples, a.writers, compile=True, compile_cache_dir=a.cache)
     return {"first_batch_s": round(first["s"], 2), "process_wall_s": round(time.perf_counter() - t0, 2),
             "tokens": r["tokens"], "tok_per_s_wall": r["tok_per_s_wall"], "steady_tok_per_s": r["steady_tok_per_s"],

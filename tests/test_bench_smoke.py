@@ -105,7 +105,8 @@ def test_profile_sorts_gpu_kernel_names_by_kind():
 
     assert [kind_of(n) for n in (
         "cutlass::device_kernel<cutlass::gemm::kernel::GemmUniversal<cutlass::gemm::GroupProblemShape<",
-        "nvjet_tst_192x192", "sm90_xmma_gemm_bf16bf16_bf16f32", "triton_tem_fused_mm_0", "triton_poi_fused_add_mul_silu_0",
+        "nvjet_tst_192x192", "sm90_xmma_gemm_bf16bf16_bf16f32", "triton_tem_fused_mm_0",
+        "triton_poi_fused_add_mul_silu_0",
         "pytorch_flash::flash_fwd_kernel<", "at::native::kernelHistogram1D<", "cub::DeviceRadixSortOnesweepKernel",
         "at::native::indexSelectLargeIndex<", "Memcpy DtoH (Device -> Pinned)", "at::native::reduce_kernel<")] == [
         "experts_gemm", "gemm", "gemm", "gemm", "fused_elementwise", "attention", "routing", "routing", "routing",

@@ -110,6 +110,13 @@ def next_turn_ids(tokenizer, messages: list[dict], user: str) -> list[int] | Non
     return tokenizer(full[len(through_answer):], add_special_tokens=False)["input_ids"]
 
 
+def sampling_kwargs(temperature: float) -> dict:
+    """Greedy at 0, else plain sampling at `temperature` (no top-k/top-p cut), for generate_batch and
+    generate_continuous alike."""
+    return dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if temperature > 0 else \
+        dict(do_sample=False)
+
+
 @torch.no_grad()
 def generate_batch(model, contexts: list[list[int]], max_new_tokens: int, eos: int, batch_size: int,
                    temperature: float, seed: int, log_every: int = 1, **generate_kwargs) -> list[list[int]]:
@@ -117,8 +124,7 @@ def generate_batch(model, contexts: list[list[int]], max_new_tokens: int, eos: i
     batched by length (less left padding); `generate_kwargs` go to HF generate (e.g. cache_implementation)."""
     order = sorted(range(len(contexts)), key=lambda i: len(contexts[i]))
     answers: list[list[int] | None] = [None] * len(contexts)
-    sampling = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if temperature > 0 else \
-        dict(do_sample=False)
+    sampling = sampling_kwargs(temperature)
     for n, b in enumerate(range(0, len(order), batch_size)):
         rows = order[b:b + batch_size]
         width = max(len(contexts[i]) for i in rows)
@@ -144,8 +150,7 @@ def generate_continuous(model, contexts: list[list[int]], max_new_tokens: int, e
     across batch compositions."""
     from transformers import GenerationConfig
 
-    sampling = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if temperature > 0 else \
-        dict(do_sample=False)
+    sampling = sampling_kwargs(temperature)
     config = GenerationConfig(max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=eos, **sampling)
     torch.manual_seed(seed)
     out = model.generate_batch(inputs=contexts, generation_config=config, progress_bar=False)
