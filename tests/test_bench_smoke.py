@@ -36,8 +36,9 @@ def test_extract_bench_smoke_measures_every_option_on_the_cpu(tmp_path):
         assert prof["batches"] == 3 and prof["forward_tok_per_s"] > 0 and sum(prof["kinds"].values()) == \
             pytest.approx(1.0)
         assert prof["kinds"]["gemm"] > 0 and prof["kinds"].get("attention", 0) > 0
-    assert models["tiny-moe"]["forward_profile"]["kinds"]["routing"] > 0 and "routing" not in {
-        k["kind"] for k in models["tiny"]["forward_profile"]["top"]}
+    # the routing is the MoE target's own work (a dense model's embedding lookup is an index op too, a small one)
+    assert models["tiny-moe"]["forward_profile"]["kinds"]["routing"] > \
+        models["tiny"]["forward_profile"]["kinds"].get("routing", 0.0)
     assert "routed experts" in models["tiny-moe"]["fp8_weights"]["method"]
 
 
