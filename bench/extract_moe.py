@@ -9,7 +9,8 @@ shape that fits one GPU, a skewed router, the routing load, and the ceiling of t
 
 The expert ceiling: the routed experts' GEMMs of one batch (token_budget tokens x top-k rows, gate_up then
 down) timed alone with each kernel that can run them (torch's grouped_mm on the routed offsets; bmm over equal
-groups), the best of them, beside one dense GEMM of the same rows. The "ceiling roofline" is the tokens/s of
+groups), the best of them, beside one dense GEMM of the same rows; and the whole experts step (copies included)
+through transformers' grouped_mm path and the project's fused Triton kernels (`blocks`). The "ceiling roofline" is the tokens/s of
 the model if its experts ran at that ceiling and everything else at the dense matmul rate.
 """
 
@@ -207,6 +208,34 @@ def expert_gemm_ceiling(cfg, tokens: int, device, dtype, counts=None, reps: int 
     out["dense_same_rows"] = flops / _timed(dense, device, reps)
     out["ceiling"] = max(rates) if rates else None
     out["ceiling_over_dense"] = out["ceiling"] / out["dense_same_rows"] if rates else None
+    if experts is not None and hasattr(experts, "num_experts"):
+        out["blocks"] = experts_block_rates(experts, counts, x[:tokens], flops, device, reps)
+    return out
+
+
+def experts_block_rates(experts, counts: np.ndarray, x: torch.Tensor, flops: float, device, reps: int) -> dict:
+    """The whole routed-experts step of one batch (the pairs' copy into expert order, the GEMMs, SiLU x up, the
+    routing weights, the sum over the top k) through transformers' grouped_mm path and through the project's fused
+    Triton kernels, as the experts' GEMM FLOP/s it amounts to: beside the GEMMs-alone ceiling, what the copies
+    cost, and what fusing them wins back. The pairs follow `counts` (a token may meet an expert twice here: the
+    kernels do not mind)."""
+    from transformers.integrations.moe import grouped_mm_experts_forward
+
+    from eagle3.extract import fused_moe
+
+    tokens, k = x.shape[0], int(counts.sum()) // x.shape[0]
+    g = torch.Generator(device="cpu").manual_seed(1)
+    ids = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts))
+    idx = ids[torch.randperm(len(ids), generator=g)].view(tokens, k).to(device)
+    w = torch.rand(tokens, k, generator=g).to(device=device, dtype=x.dtype)
+    runs = {"grouped_mm": lambda: grouped_mm_experts_forward(experts, x, idx, w),
+            fused_moe.NAME: lambda: fused_moe.fused_experts(x, idx, w, experts.gate_up_proj, experts.down_proj)}
+    out = {}
+    for name, fn in runs.items():
+        try:
+            out[name] = flops / _timed(fn, device, reps)
+        except Exception as e:  # noqa: BLE001 (a kernel this device lacks, triton missing: the row says why)
+            out[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
     return out
 
 

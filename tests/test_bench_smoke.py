@@ -25,11 +25,14 @@ def test_extract_bench_smoke_measures_every_option_on_the_cpu(tmp_path):
     for name in ("tiny-moe", "tiny-mla"):  # the MoE rows: experts' GEMM ceiling, both ratios, a skewed router
         m = models[name]["moe"]
         assert m["expert_ceiling"]["rows"] == 1024 * 4 and m["expert_ceiling"]["ceiling"] > 0
+        # the whole experts step, copies included, through transformers' path and the fused Triton kernels
+        assert m["expert_ceiling"]["blocks"]["grouped_mm"] > 0 and m["expert_ceiling"]["blocks"]["triton_fused"] > 0
         assert 0 < m["fraction_of_active_roofline"] and 0 < m["fraction_of_ceiling_roofline"]
         assert m["skewed"]["routing"]["max_over_mean"] > m["routing_uniform"]["max_over_mean"]
         assert models[name]["extractor"]["tokens"] == models[name]["tokens"]
     side = models["tiny-moe"]["side_by_side"]
     assert side["batched"]["params"]["experts_implementation"] == "batched_mm" and side["budget512"]["tok_per_s_wall"]
+    assert side["fused"]["tok_per_s_wall"] > 0  # the fused Triton kernels, interpreted on the CPU
     assert "experts_implementation" in side["bad"]["error"]  # a lever that fails costs its row, not the run
     for name in ("tiny", "tiny-moe"):  # the forward alone, profiled: its rate and where the kernel time went
         prof = models[name]["forward_profile"]

@@ -127,11 +127,14 @@ def assert_states_equal_reference(model, shard_dir, samples, atol):
         torch.testing.assert_close(got[row].final_hidden, final, rtol=1e-4, atol=atol)
 
 
-@pytest.mark.parametrize("experts", ["auto", "eager", "batched_mm"])
+@pytest.mark.parametrize("experts", ["auto", "eager", "batched_mm", "triton_fused"])
 @pytest.mark.parametrize("model_type", MOE_TYPES)
 def test_moe_states_equal_output_hidden_states_per_experts_kernel(model_type, experts, targets, merged, tmp_path):
-    """Batched with padding through each experts kernel (auto = the class default, grouped_mm), the states equal
-    a plain one-sample forward's; the kernel is a state param of the shard."""
+    """Batched with padding through each experts kernel (auto = the class default, grouped_mm; triton_fused in
+    Triton's interpreter), the states equal a plain one-sample forward's; the kernel is a state param of the
+    shard."""
+    if experts == "triton_fused":
+        pytest.importorskip("triton")
     from eagle3.models import load_model
 
     spec, samples = merged
@@ -174,15 +177,18 @@ def test_class_defaults_and_refusals(targets):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("scope", ["layers", "moe-blocks"])
-def test_compiled_moe_states_equal_output_hidden_states(scope, targets, merged, tmp_path, monkeypatch):
-    """The MoE default's path on the CPU: compiled (each layer, or only the MoE blocks) with grouped_mm."""
+@pytest.mark.parametrize("scope, experts", [("layers", "auto"), ("moe-blocks", "auto"), ("layers", "triton_fused")])
+def test_compiled_moe_states_equal_output_hidden_states(scope, experts, targets, merged, tmp_path, monkeypatch):
+    """The MoE default's path on the CPU: compiled (each layer, or only the MoE blocks) with grouped_mm; and the
+    fused Triton kernels as a custom op inside the compiled layers."""
     from eagle3.models import load_model
 
+    if experts == "triton_fused":
+        pytest.importorskip("triton")
     monkeypatch.setenv("EAGLE3_COMPILE_CACHE", str(tmp_path / "cache"))
     torch._dynamo.reset()
     spec, samples = merged
-    out = run(targets["qwen3_moe"], tmp_path, spec, compile=True, compile_scope=scope)
+    out = run(targets["qwen3_moe"], tmp_path, spec, compile=True, compile_scope=scope, experts_implementation=experts)
     assert out["complete"]
     assert_states_equal_reference(load_model(targets["qwen3_moe"]), Path(out["shard_dir"]), samples, atol=5e-4)
 

@@ -26,7 +26,7 @@ STORAGE_DTYPE_CHOICES = (*DTYPE_CHOICES, FP8)
 BACKEND_CHOICES = ("hf", "fused-llama")
 ATTENTION_CHOICES = ("auto", "flash", "cudnn", "efficient", "math")
 # (the choices are eagle3.extract.moe's, repeated here to keep this module torch-free; a test holds them equal)
-EXPERTS_CHOICES = ("auto", "eager", "batched_mm", "grouped_mm")
+EXPERTS_CHOICES = ("auto", "eager", "batched_mm", "grouped_mm", "triton_fused")
 COMPILE_SCOPES = ("auto", "layers", "moe-blocks")
 STATE_PARAMS = ("model_path", "capture_layers", "dtype", "storage_dtype", "backend", "attention",
                 "experts_implementation")
@@ -76,8 +76,8 @@ class ExtractConfig:
     # MoE targets only (eagle3.extract.moe.CLASS_DEFAULTS: auto = the default of the target's class)
     experts_implementation: str = knob(
         "auto", choices=EXPERTS_CHOICES, param="extract_experts_implementation", section=SECTION,
-        help="MoE targets: transformers' experts kernel (eager, batched_mm, grouped_mm); auto = the measured "
-             "default of the target's class.")
+        help="MoE targets: transformers' experts kernel (eager, batched_mm, grouped_mm) or the project's fused "
+             "Triton kernels (triton_fused: needs triton); auto = the measured default of the target's class.")
     compile_scope: str = knob("auto", choices=COMPILE_SCOPES,
                               help="What is compiled: layers (each decoder layer), moe-blocks (only the MoE "
                                    "blocks); auto = the default of the target's class.")

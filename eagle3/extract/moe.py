@@ -11,10 +11,12 @@ compares side by side on the device (docs/device-runs.md); the winner replaces t
 from __future__ import annotations
 
 from eagle3.errors import ConfigError
+from eagle3.extract import fused_moe
 from eagle3.flops import target_class
 
-# transformers' experts kernels that need nothing beyond torch (deepgemm and sonicmoe fetch kernels from the hub)
-EXPERTS_CHOICES = ("auto", "eager", "batched_mm", "grouped_mm")
+# transformers' experts kernels that need nothing beyond torch (deepgemm and sonicmoe fetch kernels from the hub),
+# and the project's own two fused Triton kernels (eagle3.extract.fused_moe)
+EXPERTS_CHOICES = ("auto", "eager", "batched_mm", "grouped_mm", "triton_fused")
 # layers: each decoder layer (and the final norm) compiled, one graph for all; moe-blocks: only the MoE blocks
 # (router, routed and shared experts), attention and dense layers eager
 COMPILE_SCOPES = ("auto", "layers", "moe-blocks")
@@ -46,11 +48,18 @@ def apply_experts_implementation(model, name: str | None) -> None:
     """Switch the model's experts kernel (a no-op for dense targets or when it already runs `name`)."""
     if name is None or getattr(model.config, "_experts_implementation", None) == name:
         return
+    if name == fused_moe.NAME:
+        fused_moe.register(experts_modules(model))
     try:
         model.set_experts_implementation(name)
     except (ValueError, ImportError, RuntimeError) as e:
         raise ConfigError(f"extract param experts_implementation={name!r}: transformers refuses it for "
                           f"{type(model).__name__}: {e}") from e
+
+
+def experts_modules(model) -> list:
+    """The routed experts' modules (transformers' experts interface: gate_up_proj, down_proj, ...)."""
+    return [block.experts for block in moe_blocks(model.get_decoder().layers)]
 
 
 def moe_blocks(layers) -> list:

@@ -1,0 +1,103 @@
+"""The two Triton kernels of eagle3.extract.fused_moe (imported only where triton is installed).
+
+Both are GEMMs over blocks of BLOCK_M (token, expert) pairs that share one expert: program (n, m) computes the
+BLOCK_N output columns n of pair block m. The column tile is the fast grid axis, so the programs in flight work on
+a few row blocks at once and each block's rows are read from HBM once (then from L2 for every column tile).
+
+Only builtins of triton.language (tl.full, tl.exp, tl.dot, ...): its library functions (tl.zeros, tl.sigmoid) are
+@jit functions that Triton's interpreter can call only when the whole of triton was imported in interpreter mode,
+and the CPU path interprets these kernels in a process whose triton is not (torch's Inductor imports it first).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+from triton.runtime.interpreter import InterpretedFunction
+
+
+def gate_up_kernel(x_ptr, w_ptr, out_ptr, pairs_ptr, block_expert_ptr, num_pairs, top_k, num_experts, N, K,
+                   stride_x, stride_we, stride_wn, stride_out,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr):
+    """out[row, n] = SiLU(x[token] . w[e, n]) * (x[token] . w[e, N + n]) for the block's expert e; x is [T, K]
+    (K = hidden), w is gate_up_proj [E, 2N, K] (N = expert width), out's rows in the padded sorted order."""
+    pid_n, pid_m = tl.program_id(0), tl.program_id(1)
+    e = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    if e >= num_experts:  # past the last expert's blocks
+        return
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pairs = tl.load(pairs_ptr + rows)
+    live = pairs < num_pairs
+    tokens = (pairs // top_k).to(tl.int64)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    ks = tl.arange(0, BLOCK_K)
+    a_ptrs = x_ptr + tokens[:, None] * stride_x + ks[None, :]
+    g_ptrs = w_ptr + e * stride_we + cols[None, :].to(tl.int64) * stride_wn + ks[:, None]
+    u_ptrs = g_ptrs + N * stride_wn
+    col_ok = cols < N
+    acc_g = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
+    acc_u = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_ok = ks < K - k0
+        a = tl.load(a_ptrs, mask=live[:, None] & k_ok[None, :], other=0.0)
+        g = tl.load(g_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        u = tl.load(u_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        if UPCAST:
+            a, g, u = a.to(tl.float32), g.to(tl.float32), u.to(tl.float32)
+        acc_g = tl.dot(a, g, acc_g)
+        acc_u = tl.dot(a, u, acc_u)
+        a_ptrs += BLOCK_K
+        g_ptrs += BLOCK_K
+        u_ptrs += BLOCK_K
+    h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u  # SiLU(gate) x up
+    out_ptrs = out_ptr + rows[:, None].to(tl.int64) * stride_out + cols[None, :]
+    tl.store(out_ptrs, h.to(out_ptr.dtype.element_ty), mask=live[:, None] & col_ok[None, :])
+
+
+def down_kernel(h_ptr, w_ptr, out_ptr, pairs_ptr, block_expert_ptr, weights_ptr, num_pairs, num_experts, N, K,
+                stride_h, stride_we, stride_wn, stride_out,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr):
+    """out[pair, n] = weight[pair] * (h[row] . w[e, n]); h is gate_up's output [rows, K] (K = expert width), w is
+    down_proj [E, N, K] (N = hidden), out is [S, N] in pair order."""
+    pid_n, pid_m = tl.program_id(0), tl.program_id(1)
+    e = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    if e >= num_experts:
+        return
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pairs = tl.load(pairs_ptr + rows)
+    live = pairs < num_pairs
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    ks = tl.arange(0, BLOCK_K)
+    a_ptrs = h_ptr + rows[:, None].to(tl.int64) * stride_h + ks[None, :]
+    w_ptrs = w_ptr + e * stride_we + cols[None, :].to(tl.int64) * stride_wn + ks[:, None]
+    col_ok = cols < N
+    acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_ok = ks < K - k0
+        a = tl.load(a_ptrs, mask=live[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        if UPCAST:
+            a, w = a.to(tl.float32), w.to(tl.float32)
+        acc = tl.dot(a, w, acc)
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    weight = tl.load(weights_ptr + pairs, mask=live, other=0.0).to(tl.float32)
+    acc = acc * weight[:, None]
+    out_ptrs = out_ptr + pairs[:, None].to(tl.int64) * stride_out + cols[None, :]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=live[:, None] & col_ok[None, :])
+
+
+def configs(two_accumulators: bool) -> list:
+    """The tiles the autotuner tries per (N, K, BLOCK_M): gate_up holds two accumulators, so narrower columns."""
+    ns = (64, 128) if two_accumulators else (128, 256)
+    return [triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=s)
+            for n in ns for k, s in ((64, 4), (128, 3)) for w in (4, 8)]
+
+
+def autotuned(fn, two_accumulators: bool):
+    return triton.autotune(configs(two_accumulators), key=["N", "K", "BLOCK_M"])(triton.jit(fn))
+
+
+GPU = (autotuned(gate_up_kernel, True), autotuned(down_kernel, False))
+CPU = (InterpretedFunction(gate_up_kernel), InterpretedFunction(down_kernel))
+CPU_TILES = {"BLOCK_N": 128, "BLOCK_K": 128}  # the interpreter: no autotuning; few programs, each a numpy call

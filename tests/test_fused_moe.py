@@ -1,0 +1,94 @@
+"""The project's fused MoE experts kernels (experts_implementation="triton_fused") on the CPU, where they run in
+Triton's interpreter: the expert-sorted, block-padded pair list, the experts' sum against a float64 loop over the
+pairs (uniform, skewed and empty experts, token counts off the block size), and the layouts it refuses."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from eagle3.errors import ConfigError  # noqa: E402
+from eagle3.extract import fused_moe  # noqa: E402
+
+E, H, WIDTH, TOP_K = 6, 64, 48, 2
+
+
+def routing(t: int, skew: bool, generator) -> torch.Tensor:
+    idx = torch.stack([torch.randperm(E, generator=generator)[:TOP_K] for _ in range(t)])
+    if skew:  # most tokens on experts 1 and 3, expert 5 on none
+        idx[: (3 * t) // 4] = torch.tensor([1, 3])
+        idx[idx == 5] = 0
+        idx[:, 1] = torch.where(idx[:, 0] == idx[:, 1], (idx[:, 0] + 2) % 5, idx[:, 1])
+    return idx
+
+
+def experts_by_pair(x, idx, weights, gate_up, down) -> torch.Tensor:
+    """The definition, one (token, expert) pair at a time in float64."""
+    out = torch.zeros(x.shape, dtype=torch.float64)
+    for t in range(x.shape[0]):
+        for j in range(idx.shape[1]):
+            e = idx[t, j]
+            gate, up = (gate_up[e].double() @ x[t].double()).chunk(2)
+            out[t] += weights[t, j].double() * (down[e].double() @ (torch.nn.functional.silu(gate) * up))
+    return out
+
+
+@pytest.mark.parametrize("block_m", [1, 4, 16])
+@pytest.mark.parametrize("skew", [False, True])
+def test_align_pairs_groups_each_expert_in_whole_blocks(block_m, skew):
+    g = torch.Generator().manual_seed(block_m)
+    idx = routing(37, skew, g)
+    pairs, block_expert = fused_moe.align_pairs(idx, E, block_m)
+    s = idx.numel()
+    assert pairs.numel() == block_m * block_expert.numel() >= s
+    live = pairs[pairs < s]
+    assert sorted(live.tolist()) == list(range(s))  # every pair once
+    flat = idx.reshape(-1)
+    rows = pairs.view(-1, block_m)
+    for b, e in enumerate(block_expert.tolist()):
+        members = rows[b][rows[b] < s]
+        if e == E:  # past the last group: only padding
+            assert members.numel() == 0
+        else:
+            assert members.numel() > 0 and (flat[members.long()] == e).all()
+    # the groups come in expert order, and an expert without pairs has no block
+    used = [e for e in block_expert.tolist() if e < E]
+    assert used == sorted(used) and set(used) == set(flat.tolist())
+
+
+@pytest.mark.parametrize("tiles", ["cpu-default", "small"])
+@pytest.mark.parametrize("dtype, atol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
+@pytest.mark.parametrize("tokens, skew", [(1, False), (37, False), (200, True)])
+def test_fused_experts_equal_the_sum_over_pairs(tokens, skew, dtype, atol, tiles, monkeypatch):
+    if tiles == "small":  # several blocks an expert, several column tiles, K in several steps, ragged edges
+        from eagle3.extract import fused_moe_kernels
+
+        monkeypatch.setattr(fused_moe, "block_m_for", lambda *a: 16)
+        monkeypatch.setattr(fused_moe_kernels, "CPU_TILES", {"BLOCK_N": 32, "BLOCK_K": 32})
+    g = torch.Generator().manual_seed(tokens)
+    gate_up = (torch.randn(E, 2 * WIDTH, H, generator=g) * 0.1).to(dtype)
+    down = (torch.randn(E, H, WIDTH, generator=g) * 0.1).to(dtype)
+    x = torch.randn(tokens, H, generator=g).to(dtype)
+    idx = routing(tokens, skew, g)
+    weights = torch.rand(tokens, TOP_K, generator=g)
+    got = fused_moe.fused_experts(x, idx, weights, gate_up, down)
+    assert got.dtype == dtype and got.shape == x.shape
+    torch.testing.assert_close(got.double(), experts_by_pair(x, idx, weights, gate_up, down), rtol=1e-2, atol=atol)
+    again = fused_moe.fused_experts(x, idx, weights, gate_up, down)
+    assert torch.equal(again, got)  # no atomics: the same bytes run to run
+
+
+def test_refuses_layouts_the_kernels_do_not_read():
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+    cfg = Qwen3MoeConfig(hidden_size=H, intermediate_size=128, moe_intermediate_size=WIDTH, num_experts=E,
+                         num_experts_per_tok=TOP_K, num_hidden_layers=1, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=16, vocab_size=256)
+    experts = AutoModelForCausalLM.from_config(cfg).model.layers[0].mlp.experts
+    fused_moe.check_experts(experts)  # Qwen3-MoE's experts are what the kernels read
+    experts.act_fn = torch.nn.GELU()
+    experts.has_bias = True
+    with pytest.raises(ConfigError, match=r"experts_implementation='triton_fused'.*no bias, the SiLU activation"):
+        fused_moe.check_experts(experts)
