@@ -281,6 +281,27 @@ def test_max_autotune_compiled_moe_states_equal_output_hidden_states(targets, me
         run(targets["qwen3_moe"], tmp_path, spec, compile=True, compile_mode="default")
 
 
+def test_shard_from_before_the_added_state_params_resumes_with_their_old_values(targets, merged, tmp_path):
+    """A shard cut mid-way whose manifest records neither experts_implementation nor compile_mode (written before
+    they existed) resumes with auto and default, byte-identical; another value is refused, naming the param."""
+    spec, _ = merged
+    whole = run(targets["qwen3_moe"], tmp_path / "whole", spec)
+    cut = run(targets["qwen3_moe"], tmp_path / "cut", spec)
+    shard_dir = Path(cut["shard_dir"])
+    m = ShardManifest.load(shard_dir)
+    for name in ("experts_implementation", "compile_mode"):
+        del m.params["states"][name]
+    for c in m.chunks[2:]:
+        (shard_dir / c.file).unlink()
+    m.chunks, m.complete = m.chunks[:2], False
+    m.save(shard_dir)
+    with pytest.raises(ConfigError, match="committed with compile_mode='default'"):
+        run(targets["qwen3_moe"], tmp_path / "cut", spec, compile_mode="max-autotune-no-cudagraphs")
+    resumed = run(targets["qwen3_moe"], tmp_path / "cut", spec)
+    assert resumed["resumed_from_chunk"] == 2 and resumed["complete"]
+    assert chunk_bytes(shard_dir) == chunk_bytes(Path(whole["shard_dir"]))
+
+
 TASK = textwrap.dedent("""
     import json, sys, time
     t0 = time.perf_counter()
