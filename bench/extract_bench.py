@@ -57,7 +57,7 @@ from bench.extract_levers import measure_moe, measure_variants_side_by_side, par
 from bench.extract_moe import is_moe  # noqa: E402
 from bench.extract_profile import run_profile  # noqa: E402
 from eagle3.extract.config import ExtractConfig, ShardPlanConfig  # noqa: E402
-from eagle3.extract.extractor import BACKENDS, ShardExtractor, resolve_for_device  # noqa: E402
+from eagle3.extract.extractor import BACKENDS, ShardExtractor, backend_options, resolve_for_device  # noqa: E402
 from eagle3.fit import bytes_per_token  # noqa: E402
 from eagle3.models import default_capture_layers  # noqa: E402
 from eagle3.extract.plan import plan_shards  # noqa: E402
@@ -125,9 +125,7 @@ def bench_config(b: Bench, t: Target, out_dir: Path, writers: int, params: dict)
 
 
 def make_backend(cfg: ExtractConfig, model):
-    moe_options = {"experts": cfg.experts_implementation, "compile_scope": cfg.compile_scope} \
-        if cfg.backend == "hf" else {}
-    return BACKENDS[cfg.backend](model=model, compile=cfg.compile, attention=cfg.attention, **moe_options)
+    return BACKENDS[cfg.backend](model=model, **backend_options(cfg))
 
 
 def run_extractor(b: Bench, t: Target, samples, writers: int, model=None, **params) -> dict:

@@ -5,7 +5,8 @@ A variant is a set of ExtractConfig values run through the same warm-up and meas
 variant; one lever a variant, so each row reads against the base:
 
     --variants "grouped:experts=grouped_mm;batched:experts=batched_mm;eager-experts:experts=eager;
-                blocks:scope=moe-blocks;budget64k:budget=65536;pad64:pad=64;eager:compile=false"
+                blocks:scope=moe-blocks;budget64k:budget=65536;pad64:pad=64;eager:compile=false;
+                autotune:mode=max-autotune-no-cudagraphs;flash:attention=flash"
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ from bench.extract_moe import (ceiling_roofline, expert_gemm_ceiling, moe_blocks
 KEYS = {"budget": "token_budget", "token_budget": "token_budget", "pad": "pad_multiple",
         "pad_multiple": "pad_multiple", "experts": "experts_implementation",
         "experts_implementation": "experts_implementation", "scope": "compile_scope",
-        "compile_scope": "compile_scope", "compile": "compile", "attention": "attention", "backend": "backend"}
+        "compile_scope": "compile_scope", "compile": "compile", "attention": "attention", "backend": "backend",
+        "mode": "compile_mode", "compile_mode": "compile_mode"}
 
 
 def _value(text: str):

@@ -193,6 +193,121 @@ def test_compiled_moe_states_equal_output_hidden_states(scope, experts, targets,
     assert_states_equal_reference(load_model(targets["qwen3_moe"]), Path(out["shard_dir"]), samples, atol=5e-4)
 
 
+def test_padded_v_sdpa_equals_transformers_sdpa_for_narrower_v():
+    """MLA's shapes (q/k head dim 24, v 16): v zero-padded then sliced back gives transformers' sdpa output, and
+    runs under a pinned flash kernel, which refuses the unequal dims."""
+    from types import SimpleNamespace
+
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from eagle3.extract.attention import padded_v_sdpa_forward
+
+    module = SimpleNamespace(is_causal=True, num_key_value_groups=1)
+    torch.manual_seed(0)
+    q, k, v = torch.randn(2, 4, 37, 24), torch.randn(2, 4, 37, 24), torch.randn(2, 4, 37, 16)
+    for dtype, atol in [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)]:
+        args = (module, q.to(dtype), k.to(dtype), v.to(dtype), None)
+        want, _ = sdpa_attention_forward(*args, scaling=0.3)
+        with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+            got, _ = padded_v_sdpa_forward(*args, scaling=0.3)
+            with pytest.raises(RuntimeError, match="No available kernel"):
+                sdpa_attention_forward(*args, scaling=0.3)
+        assert got.shape == want.shape == (2, 37, 4, 16)
+        torch.testing.assert_close(got, want, rtol=1e-2, atol=atol)
+
+
+@pytest.mark.parametrize("compile", [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_flash_on_the_mla_target_states_equal_output_hidden_states(compile, targets, merged, tmp_path, monkeypatch):
+    """attention="flash" on DeepSeek-V3 (q/k head dim 24, v 16): torch's flash kernel needs one head dim, so the
+    model runs the padded-v attention; eager and compiled, the states equal a plain one-sample forward's."""
+    from eagle3.models import load_model
+
+    monkeypatch.setenv("EAGLE3_COMPILE_CACHE", str(tmp_path / "cache"))
+    torch._dynamo.reset()
+    spec, samples = merged
+    out = run(targets["deepseek_v3"], tmp_path, spec, attention="flash", compile=compile)
+    assert out["complete"]
+    assert_states_equal_reference(load_model(targets["deepseek_v3"]), Path(out["shard_dir"]), samples, atol=5e-4)
+
+
+def test_flash_switches_only_targets_with_narrower_v(targets):
+    """A dense target keeps transformers' sdpa under flash; the MLA target runs the padded-v attention under flash
+    only, and a preloaded model goes back to sdpa for another kernel (the benchmark reuses its models)."""
+    from eagle3.extract.attention import PADDED_V_SDPA
+    from eagle3.extract.backend import HFBackend
+    from eagle3.models import load_model
+
+    llama = HFBackend(attention="flash")
+    llama.load(str(targets["llama"]), "float32", "cpu", CAPTURE)
+    assert llama.attn_implementation == llama.model.config._attn_implementation == "sdpa"
+    ds = load_model(targets["deepseek_v3"])
+    for attention, want in [("auto", "sdpa"), ("flash", PADDED_V_SDPA), ("math", "sdpa")]:
+        backend = HFBackend(model=ds, attention=attention)
+        backend.load(str(targets["deepseek_v3"]), "float32", "cpu", CAPTURE)
+        assert backend.attn_implementation == ds.config._attn_implementation == want, attention
+        backend.capture(torch.randint(3, 1000, (2, 9)))
+
+
+def test_compile_mode_choices_are_the_backends_and_a_bad_one_is_refused(targets, tmp_path):
+    from eagle3.extract.backend import COMPILE_MODES as BACKEND_COMPILE_MODES
+    from eagle3.extract.config import COMPILE_MODES
+
+    assert COMPILE_MODES == BACKEND_COMPILE_MODES
+    with pytest.raises(ConfigError, match="compile_mode"):
+        phase(ExtractConfig, model_path=str(targets["qwen3_moe"]), extract_dir=str(tmp_path), capture_layers=CAPTURE,
+              compile_mode="max-autotune")
+
+
+@pytest.mark.slow
+def test_max_autotune_compiled_moe_states_equal_output_hidden_states(targets, merged, tmp_path, monkeypatch):
+    """compile_mode reaches torch.compile (Inductor's max_autotune on in each compiled layer's config); the
+    states equal a plain forward's (on the CPU, with dynamic shapes, Inductor keeps aten's GEMMs: the GEMM
+    templates it would time are the GPU's); a resume with the other mode is refused, naming the param."""
+    from eagle3.extract import backend as backend_module
+    from eagle3.models import load_model
+
+    compiled, compile_for = [], backend_module.compile_for
+
+    def recording_compile_for(fn, attention, mode="default"):
+        compiled.append((mode, compile_for(fn, attention, mode)))
+        return compiled[-1][1]
+
+    monkeypatch.setattr(backend_module, "compile_for", recording_compile_for)
+    monkeypatch.setenv("EAGLE3_COMPILE_CACHE", str(tmp_path / "cache"))
+    torch._dynamo.reset()
+    spec, samples = merged
+    out = run(targets["qwen3_moe"], tmp_path, spec, compile=True, compile_mode="max-autotune-no-cudagraphs")
+    assert out["complete"]
+    assert ShardManifest.load(Path(out["shard_dir"])).params["states"]["compile_mode"] == "max-autotune-no-cudagraphs"
+    assert compiled and all(mode == "max-autotune-no-cudagraphs" and fn.get_compiler_config()["max_autotune"]
+                            for mode, fn in compiled)
+    assert_states_equal_reference(load_model(targets["qwen3_moe"]), Path(out["shard_dir"]), samples, atol=5e-4)
+    with pytest.raises(ConfigError, match="compile_mode='max-autotune-no-cudagraphs'"):
+        run(targets["qwen3_moe"], tmp_path, spec, compile=True, compile_mode="default")
+
+
+def test_shard_from_before_the_added_state_params_resumes_with_their_old_values(targets, merged, tmp_path):
+    """A shard cut mid-way whose manifest records neither experts_implementation nor compile_mode (written before
+    they existed) resumes with auto and default, byte-identical; another value is refused, naming the param."""
+    spec, _ = merged
+    whole = run(targets["qwen3_moe"], tmp_path / "whole", spec)
+    cut = run(targets["qwen3_moe"], tmp_path / "cut", spec)
+    shard_dir = Path(cut["shard_dir"])
+    m = ShardManifest.load(shard_dir)
+    for name in ("experts_implementation", "compile_mode"):
+        del m.params["states"][name]
+    for c in m.chunks[2:]:
+        (shard_dir / c.file).unlink()
+    m.chunks, m.complete = m.chunks[:2], False
+    m.save(shard_dir)
+    with pytest.raises(ConfigError, match="committed with compile_mode='default'"):
+        run(targets["qwen3_moe"], tmp_path / "cut", spec, compile_mode="max-autotune-no-cudagraphs")
+    resumed = run(targets["qwen3_moe"], tmp_path / "cut", spec)
+    assert resumed["resumed_from_chunk"] == 2 and resumed["complete"]
+    assert chunk_bytes(shard_dir) == chunk_bytes(Path(whole["shard_dir"]))
+
+
 TASK = textwrap.dedent("""
     import json, sys, time
     t0 = time.perf_counter()

@@ -18,6 +18,7 @@ import torch
 
 from eagle3.errors import ConfigError
 from eagle3.extract import moe
+from eagle3.extract.attention import apply_attention
 from eagle3.models import ModelInfo, model_info
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -28,6 +29,9 @@ CPU_DTYPES = ("float32", "bfloat16")
 SDPA_KERNELS = {"auto": None, "flash": "FLASH_ATTENTION", "cudnn": "CUDNN_ATTENTION",
                 "efficient": "EFFICIENT_ATTENTION", "math": "MATH"}
 CUDA_ONLY_KERNELS = ("cudnn", "efficient")
+# torch.compile's modes a run can choose (`compile_mode`); max-autotune-no-cudagraphs times Inductor's Triton GEMM
+# templates (on Hopper its TMA grouped GEMM for the MoE experts) against cuBLAS / aten's _grouped_mm per shape
+COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
 
 
 def check_dtype(dtype: str, device: str) -> torch.dtype:
@@ -67,15 +71,22 @@ def pinned_attention(attention: str, device):
         raise
 
 
-def compile_for(fn, attention: str):
-    """torch.compile with dynamic shapes, for a forward run under `attention`. torch's compile caches (Inductor's
-    FX graph cache, the AOTAutograd cache, on disk across processes) key a graph without the SDPA kernel it was
-    traced under (pytorch/pytorch#185449): a pinned kernel can be handed a graph traced for another (seen on the
-    H200: attention="cudnn" ran FlashAttention after a flash run had filled the cache) and leaves its own graph for
-    later runs of other kernels. So a pinned kernel compiles without them (every task traces afresh); "auto" keeps
-    them."""
-    options = None if attention == "auto" else {"fx_graph_cache": False}  # the AOTAutograd cache needs it too
-    return torch.compile(fn, dynamic=True, options=options)
+def compile_for(fn, attention: str, mode: str = "default"):
+    """torch.compile with dynamic shapes, for a forward run under `attention`, in Inductor's `mode` (COMPILE_MODES).
+    torch's compile caches (Inductor's FX graph cache, the AOTAutograd cache, on disk across processes) key a graph
+    without the SDPA kernel it was traced under (pytorch/pytorch#185449): a pinned kernel can be handed a graph
+    traced for another (seen on the H200: attention="cudnn" ran FlashAttention after a flash run had filled the
+    cache) and leaves its own graph for later runs of other kernels. So a pinned kernel compiles without them
+    (every task traces afresh); "auto" keeps them."""
+    if mode not in COMPILE_MODES:
+        raise ConfigError(f"extract param compile_mode={mode!r}: use one of {list(COMPILE_MODES)}")
+    # torch.compile takes a mode or options, not both: the mode as the options it stands for
+    from torch._inductor import list_mode_options
+
+    options = dict(list_mode_options(mode))
+    if attention != "auto":
+        options["fx_graph_cache"] = False  # the AOTAutograd cache needs it too
+    return torch.compile(fn, dynamic=True, options=options or None)
 
 
 class ExtractionBackend(Protocol):
@@ -160,14 +171,16 @@ class HFBackend:
     """
 
     def __init__(self, model=None, info: ModelInfo | None = None, compile: bool = False, attention: str = "auto",
-                 tp_plan: str | None = None, experts: str = "auto", compile_scope: str = "auto"):
+                 tp_plan: str | None = None, experts: str = "auto", compile_scope: str = "auto",
+                 compile_mode: str = "default"):
         self.model = model  # a preloaded *ForCausalLM (the benchmark builds random-weight ones)
         self.experts, self.compile_scope = experts, compile_scope  # eagle3.extract.moe
         self.resolved: dict = {}
         self.tp_plan = tp_plan
         self.info = info
-        self.compile = compile
+        self.compile, self.compile_mode = compile, compile_mode
         self.attention = attention  # SDPA kernel: a key of SDPA_KERNELS
+        self.attn_implementation: str | None = None  # transformers' attention function the model runs (load)
         self._captured: dict[int, torch.Tensor] = {}
         self._hooks = []
 
@@ -177,6 +190,8 @@ class HFBackend:
         load_decoder(self, model_path, dtype, device, capture_layers, tp_plan=self.tp_plan)
         self.resolved = moe.resolve(self.model, self.experts, self.compile_scope)
         moe.apply_experts_implementation(self.model, self.resolved["experts_implementation"])
+        # flash on MLA (v heads narrower than q/k): v zero-padded (eagle3.extract.attention)
+        self.attn_implementation = apply_attention(self.model, self.attention)
         layers = self.base.layers
         for h in self._hooks:
             h.remove()
@@ -192,18 +207,19 @@ class HFBackend:
         (compile_scope), is compiled with dynamic batch and length, fusing the elementwise work eager mode runs
         as separate kernels (RMSNorm's fp32 upcast, RoPE, SiLU x up, residual adds, the routing). The layers
         share one code object, so one graph serves them all; the capture hooks stay outside the compiled region.
-        A preloaded model compiled before for another kernel is compiled again from its eager forward
+        A preloaded model compiled before for another kernel or mode is compiled again from its eager forward
         (compile_for's caches)."""
         for module in self.model.modules():  # compiled before for another scope, or compile is off now
             if "_eagle3_eager_forward" in module.__dict__ and not any(module is m for m in modules):
                 module.forward = module.__dict__.pop("_eagle3_eager_forward")
                 module._eagle3_compiled = None
+        compiled_for = (self.attention, self.compile_mode)
         for module in modules:
-            if getattr(module, "_eagle3_compiled", None) != self.attention:
+            if getattr(module, "_eagle3_compiled", None) != compiled_for:
                 eager = module.__dict__.get("_eagle3_eager_forward", module.forward)
                 module._eagle3_eager_forward = eager
-                module.forward = compile_for(eager, self.attention)
-                module._eagle3_compiled = self.attention
+                module.forward = compile_for(eager, self.attention, self.compile_mode)
+                module._eagle3_compiled = compiled_for
 
     def _make_hook(self, index: int):
         def hook(module, args, output):

@@ -28,10 +28,11 @@ ATTENTION_CHOICES = ("auto", "flash", "cudnn", "efficient", "math")
 # (the choices are eagle3.extract.moe's, repeated here to keep this module torch-free; a test holds them equal)
 EXPERTS_CHOICES = ("auto", "eager", "batched_mm", "grouped_mm", "triton_fused")
 COMPILE_SCOPES = ("auto", "layers", "moe-blocks")
+COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")  # eagle3.extract.backend's (a test holds them equal)
 STATE_PARAMS = ("model_path", "capture_layers", "dtype", "storage_dtype", "backend", "attention",
-                "experts_implementation")
+                "experts_implementation", "compile_mode")
 # state params added after shards were extracted without them: what those shards ran with
-ADDED_STATE_PARAMS = {"experts_implementation": "auto"}
+ADDED_STATE_PARAMS = {"experts_implementation": "auto", "compile_mode": "default"}
 PLAN_PARAMS = ("token_budget", "chunk_mb", "pad_multiple")
 # a number or "auto", resolved where the task runs (eagle3.extract.extractor.resolve_for_device)
 DEVICE_AUTO_PARAMS = PLAN_PARAMS
@@ -72,7 +73,9 @@ class ExtractConfig:
     backend: str = knob("hf", choices=BACKEND_CHOICES, param="extract_backend", section=SECTION,
                         help="hf: HF transformers modules; fused-llama: fused q/k/v and gate/up GEMMs (Llama family).")
     attention: str = knob("auto", choices=ATTENTION_CHOICES, param="extract_attention", section=SECTION,
-                          help="SDPA kernel of the forward: auto (torch picks), flash, cudnn, efficient, math.")
+                          help="SDPA kernel of the forward: auto (torch picks), flash, cudnn, efficient, math. "
+                               "flash needs one head dim for q, k and v; on MLA targets (DeepSeek-V3), whose v "
+                               "heads are narrower, v is zero-padded to q's width (eagle3.extract.attention).")
     # MoE targets only (eagle3.extract.moe.CLASS_DEFAULTS: auto = the default of the target's class)
     experts_implementation: str = knob(
         "auto", choices=EXPERTS_CHOICES, param="extract_experts_implementation", section=SECTION,
@@ -81,6 +84,11 @@ class ExtractConfig:
     compile_scope: str = knob("auto", choices=COMPILE_SCOPES,
                               help="What is compiled: layers (each decoder layer), moe-blocks (only the MoE "
                                    "blocks); auto = the default of the target's class.")
+    # a state param: the GEMM kernels it picks sum in another order
+    compile_mode: str = knob("default", choices=COMPILE_MODES,
+                             help="torch.compile's mode: default, or max-autotune-no-cudagraphs (Inductor times its "
+                                  "Triton GEMM templates, on Hopper a TMA grouped GEMM for MoE experts, against "
+                                  "cuBLAS and aten's _grouped_mm, shape by shape; longer compiles).")
     compile_cache_dir: str = knob("auto", help="torch's compile caches, shared by the shard tasks of a worker: auto "
                                                "= $EAGLE3_COMPILE_CACHE or ~/.cache/eagle3/compile/<host>; off = "
                                                "torch's default; else a folder (eagle3.extract.compile_cache).")

@@ -47,6 +47,12 @@ STORAGE_DTYPES = {**DTYPES, FP8: torch.float8_e4m3fn}
 BACKENDS = {"hf": HFBackend, "fused-llama": FusedLlamaBackend}
 
 
+def backend_options(cfg: ExtractConfig) -> dict:
+    """The ExtractConfig values a backend of `cfg.backend` is built with (the MoE options are the hf backend's)."""
+    moe = {"experts": cfg.experts_implementation, "compile_scope": cfg.compile_scope} if cfg.backend == "hf" else {}
+    return {"compile": cfg.compile, "attention": cfg.attention, "compile_mode": cfg.compile_mode, **moe}
+
+
 class ExtractOOMError(PipelineError):
     """The token budget does not fit the device; the message names the param and a smaller value. The memory
     pre-check's refusal is not retried (the same plan meets the same memory); an OOM in the forward is
@@ -325,10 +331,7 @@ class ShardExtractor:
         if self.cfg.compile:
             log.info("shard %d: compile cache %s", self.spec.shard, use_compile_cache(self.cfg.compile_cache_dir))
         if self.backend is None:
-            moe_options = ({"experts": self.cfg.experts_implementation, "compile_scope": self.cfg.compile_scope}
-                           if self.cfg.backend == "hf" else {})
-            self.backend = BACKENDS[self.cfg.backend](info=self.info, compile=self.cfg.compile,
-                                                      attention=self.cfg.attention, **moe_options)
+            self.backend = BACKENDS[self.cfg.backend](info=self.info, **backend_options(self.cfg))
         self.backend.load(self.cfg.target.model_path, self.cfg.target.dtype, self.cfg.device, self.cfg.target.capture_layers)
         return self.backend
 

@@ -65,10 +65,11 @@ def decoder_layer(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ln1: to
 class FusedLlamaBackend:
     """`ExtractionBackend` for Llama-family models with fused q/k/v and gate/up weights (see module doc)."""
 
-    def __init__(self, model=None, info: ModelInfo | None = None, compile: bool = False, attention: str = "auto"):
+    def __init__(self, model=None, info: ModelInfo | None = None, compile: bool = False, attention: str = "auto",
+                 compile_mode: str = "default"):
         self.model = model  # a preloaded *ForCausalLM (the benchmark's random-weight ones); else loaded from the path
         self.info = info
-        self.compile = compile
+        self.compile, self.compile_mode = compile, compile_mode  # compile_mode: a key of backend.COMPILE_MODES
         self.attention = attention  # SDPA kernel: a key of eagle3.extract.backend.SDPA_KERNELS
 
     def load(self, model_path: str, dtype: str, device: str, capture_layers: list[int]) -> None:
@@ -95,7 +96,7 @@ class FusedLlamaBackend:
                 for lin in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj,
                             layer.mlp.gate_proj, layer.mlp.up_proj):
                     lin.weight = None
-        self._layer = compile_for(decoder_layer, self.attention) if self.compile else decoder_layer
+        self._layer = compile_for(decoder_layer, self.attention, self.compile_mode) if self.compile else decoder_layer
 
     @staticmethod
     def _check_supported(cfg, base) -> None:

@@ -26,7 +26,7 @@ import torch.distributed as dist
 from eagle3.errors import ConfigError
 from eagle3.extract.backend import HFBackend
 from eagle3.extract.config import ExtractConfig
-from eagle3.extract.extractor import ShardExtractor, resolve_for_device
+from eagle3.extract.extractor import ShardExtractor, backend_options, resolve_for_device
 from eagle3.fit import check_tp_divides, load_config
 from eagle3.launch import backend_for, run_distributed
 
@@ -78,8 +78,7 @@ def follow(cfg: ExtractConfig) -> int:
         if cmd == STOP:
             return forwards
         if cmd == LOAD:
-            backend = HFBackend(compile=cfg.compile, attention=cfg.attention, tp_plan="auto",
-                                experts=cfg.experts_implementation, compile_scope=cfg.compile_scope)
+            backend = HFBackend(tp_plan="auto", **backend_options(cfg))
             backend.load(cfg.target.model_path, cfg.target.dtype, cfg.device, cfg.target.capture_layers)
         elif cmd == CAPTURE:
             ids = torch.empty((rows, length), dtype=torch.int64, device=comm)
@@ -99,8 +98,7 @@ def extract_shard_rank(cfg: ExtractConfig, spec: dict) -> dict | None:
         follow(cfg)
         return None
     set_rank_pids(pids)
-    backend = LeaderBackend(compile=cfg.compile, attention=cfg.attention, experts=cfg.experts_implementation,
-                            compile_scope=cfg.compile_scope)
+    backend = LeaderBackend(**backend_options(cfg))
     out = ShardExtractor(cfg, spec, backend=backend).run()
     backend.stop()  # not on an error: then the followers are stopped by the launcher
     return out
