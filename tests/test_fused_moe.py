@@ -92,6 +92,10 @@ def test_refuses_layouts_the_kernels_do_not_read():
     experts.has_bias = True
     with pytest.raises(ConfigError, match=r"experts_implementation='triton_fused'.*no bias, the SiLU activation"):
         fused_moe.check_experts(experts)
+    experts.act_fn, experts.has_bias = torch.nn.SiLU(), False
+    experts.down_proj.data = experts.down_proj.data.to(torch.float8_e4m3fn)  # as an FP8 checkpoint holds them
+    with pytest.raises(ConfigError, match=r"lacks what the kernels read: bf16/fp16/fp32 weights; use 'grouped_mm'"):
+        fused_moe.check_experts(experts)
 
 
 HOPPER_SHARED_BYTES = 232448  # the most shared memory a block may use on sm_90 (227 KiB)

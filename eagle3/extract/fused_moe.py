@@ -24,6 +24,7 @@ from eagle3.errors import ConfigError
 
 NAME = "triton_fused"
 PARAM = f"extract param experts_implementation={NAME!r}"
+WEIGHT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 def kernels(device: torch.device):
@@ -113,7 +114,10 @@ def check_experts(module) -> None:
               "no post-expert norm": not getattr(module, "has_post_expert_norm", True),
               "the SiLU activation": isinstance(getattr(module, "act_fn", None), torch.nn.SiLU)
               or type(getattr(module, "act_fn", None)).__name__ == "SiLUActivation",
-              "no expert parallelism": not getattr(module, "_is_expert_parallel", False)}
+              "no expert parallelism": not getattr(module, "_is_expert_parallel", False),
+              # an FP8 checkpoint's experts hold float8 weights and block scales (transformers' FP8Experts)
+              "bf16/fp16/fp32 weights": all(getattr(getattr(module, w, None), "dtype", None) in WEIGHT_DTYPES
+                                            for w in ("gate_up_proj", "down_proj"))}
     missing = [k for k, ok in checks.items() if not ok]
     if missing:
         raise ConfigError(f"{PARAM}: {type(module).__name__} lacks what the kernels read: {', '.join(missing)}; "
