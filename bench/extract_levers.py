@@ -96,7 +96,8 @@ def measure_moe(b, name: str, t, best: dict, roofline: float, matmul: float, len
                       for k, v in ceiling["kernels"].items())
           + f"; one dense GEMM of the same rows {flops_text(ceiling['dense_same_rows'])} (ceiling/dense "
           f"{ceiling['ceiling_over_dense'] or 0:.2f}); the whole experts step, copies included: "
-          + ", ".join(f"{k} {flops_text(v)}" if isinstance(v, float) else f"{k} {v}"
+          + ", ".join(f"{k} {flops_text(v)}" if isinstance(v, float) and not k.endswith("_rel_l2_vs_grouped_mm")
+                      else f"{k} {v:.2e}" if isinstance(v, float) else f"{k} {v}"
                       for k, v in ceiling.get("blocks", {}).items()), flush=True)
     print(f"[{name}] active-parameter roofline {roofline:.0f} tok/s: {100 * out['fraction_of_active_roofline']:.0f}% "
           f"wall, {100 * out['steady_fraction_of_active_roofline']:.0f}% steady; ceiling roofline "

@@ -10,8 +10,8 @@ shape that fits one GPU, a skewed router, the routing load, and the ceiling of t
 The expert ceiling: the routed experts' GEMMs of one batch (token_budget tokens x top-k rows, gate_up then
 down) timed alone with each kernel that can run them (torch's grouped_mm on the routed offsets; bmm over equal
 groups), the best of them, beside one dense GEMM of the same rows; and the whole experts step (copies included)
-through transformers' grouped_mm path and the project's fused Triton kernels (`blocks`). The "ceiling roofline" is the tokens/s of
-the model if its experts ran at that ceiling and everything else at the dense matmul rate.
+through transformers' grouped_mm path and the project's fused Triton kernels (`blocks`). The "ceiling roofline"
+is the tokens/s of the model if its experts ran at that ceiling and everything else at the dense matmul rate.
 """
 
 from __future__ import annotations
@@ -230,12 +230,16 @@ def experts_block_rates(experts, counts: np.ndarray, x: torch.Tensor, flops: flo
     w = torch.rand(tokens, k, generator=g).to(device=device, dtype=x.dtype)
     runs = {"grouped_mm": lambda: grouped_mm_experts_forward(experts, x, idx, w),
             fused_moe.NAME: lambda: fused_moe.fused_experts(x, idx, w, experts.gate_up_proj, experts.down_proj)}
-    out = {}
+    out, results = {}, {}
     for name, fn in runs.items():
         try:
+            results[name] = fn()
             out[name] = flops / _timed(fn, device, reps)
         except Exception as e:  # noqa: BLE001 (a kernel this device lacks, triton missing: the row says why)
             out[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+    if len(results) == 2:  # a fast kernel that computes something else would be no lever: its error beside
+        ref, got = results["grouped_mm"].float(), results[fused_moe.NAME].float()
+        out[f"{fused_moe.NAME}_rel_l2_vs_grouped_mm"] = float((got - ref).norm() / ref.norm().clamp_min(1e-30))
     return out
 
 

@@ -26,7 +26,9 @@ def test_extract_bench_smoke_measures_every_option_on_the_cpu(tmp_path):
         m = models[name]["moe"]
         assert m["expert_ceiling"]["rows"] == 1024 * 4 and m["expert_ceiling"]["ceiling"] > 0
         # the whole experts step, copies included, through transformers' path and the fused Triton kernels
-        assert m["expert_ceiling"]["blocks"]["grouped_mm"] > 0 and m["expert_ceiling"]["blocks"]["triton_fused"] > 0
+        blocks = m["expert_ceiling"]["blocks"]
+        assert blocks["grouped_mm"] > 0 and blocks["triton_fused"] > 0
+        assert blocks["triton_fused_rel_l2_vs_grouped_mm"] < 1e-5  # fp32 on the CPU: the same sums
         assert 0 < m["fraction_of_active_roofline"] and 0 < m["fraction_of_ceiling_roofline"]
         assert m["skewed"]["routing"]["max_over_mean"] > m["routing_uniform"]["max_over_mean"]
         assert models[name]["extractor"]["tokens"] == models[name]["tokens"]
