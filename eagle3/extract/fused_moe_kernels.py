@@ -11,6 +11,8 @@ and the CPU path interprets these kernels in a process whose triton is not (torc
 
 from __future__ import annotations
 
+import inspect
+
 import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
@@ -99,7 +101,10 @@ def configs(kernel: str) -> list:
 
 
 def autotuned(fn, kernel: str):
-    return triton.autotune(configs(kernel), key=["N", "K", "BLOCK_M"])(triton.jit(fn))
+    # cache_results (Triton >= 3.2): the timings land in Triton's cache folder, which Inductor points into the
+    # worker's compile cache (eagle3.extract.compile_cache), so the next shard task on the worker skips them
+    keep = {"cache_results": True} if "cache_results" in inspect.signature(triton.autotune).parameters else {}
+    return triton.autotune(configs(kernel), key=["N", "K", "BLOCK_M"], **keep)(triton.jit(fn))
 
 
 GPU = (autotuned(gate_up_kernel, "gate_up"), autotuned(down_kernel, "down"))
