@@ -50,9 +50,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.extract_limits import (DEFAULT_BUDGET, ChunkReaper, against_sustained, build_model,  # noqa: E402
-                                  disk_probe, empty_pinned_host_cache, interleaved_rounds, limits_entry,
-                                  machine_limits, make_samples, matmul_sustained, model_flops_per_sample,
-                                  print_summary, quantize_fp8, states_error, sync)
+                                  disk_probe, empty_pinned_host_cache, fp8_experts_fit, interleaved_rounds,
+                                  limits_entry, machine_limits, make_samples, matmul_sustained,
+                                  model_flops_per_sample, print_summary, quantize_fp8, states_error, sync)
 from bench.extract_levers import measure_moe, measure_variants_side_by_side, parse_variants  # noqa: E402
 from bench.extract_moe import is_moe  # noqa: E402
 from bench.extract_profile import run_profile  # noqa: E402
@@ -199,13 +199,16 @@ def measure_fp8_weights(b: Bench, name: str, t: Target, best: dict) -> dict:
     """The same weights quantized to FP8 on load, through the fastest variant's params: rate against it, and the
     relative error of the captured states on two samples."""
     model, _ = build_model(name, b.device, b.dtype, b.args.real_path)  # seed 0: the same weights as t.model
-    method = quantize_fp8(model)
-    v = warm_and_run(b, t, best["writer_threads"], model=model, **best["params"])
+    experts = fp8_experts_fit(model)  # a MoE target's experts in FP8 too, through the fused kernels
+    method = quantize_fp8(model, experts=experts)
+    params = {**best["params"], **({"experts_implementation": "triton_fused"} if experts else {})}
+    v = warm_and_run(b, t, best["writer_threads"], model=model, **params)
     n = min(256, *(len(s) for s in t.samples[:2]))
     ids = torch.tensor([s[:n] for s in t.samples[:2]], device=b.device)
     r = {"method": method, "extractor": v, "wall_over_reference": v["tok_per_s_wall"] / best["tok_per_s_wall"],
          "steady_over_reference": v["steady_tok_per_s"] / max(best["steady_tok_per_s"], 1e-9),
-         "state_error": states_error(t.model, model, t.layers, b.dtype_name, ids)}
+         "state_error": states_error(t.model, model, t.layers, b.dtype_name, ids,
+                                     experts=params.get("experts_implementation", "auto"))}
     print(f"[{name}] fp8 weights ({method}): {v['tok_per_s_wall']:.0f} tok/s wall ({r['wall_over_reference']:.2f}x), "
           f"{v['steady_tok_per_s']:.0f} steady ({r['steady_over_reference']:.2f}x); warm-up incl. compile "
           f"{v['warmup_with_compile_s']:.0f} s", flush=True)

@@ -121,32 +121,53 @@ def make_samples(n_tokens: int, lo: int, hi: int, vocab: int, seed: int) -> list
     return out
 
 
-def quantize_fp8(model) -> str:
+def quantize_fp8(model, experts: bool = False) -> str:
     """FP8 on load, in place. On a GPU: torchao's float8 dynamic activations with per-row e4m3 weights on the
     decoder (the `fp8` extra; compute capability >= 8.9); the lm_head is never run. On the CPU, where those
     kernels do not run: every decoder linear weight rounded to e4m3 with one scale per row, kept in the compute
-    dtype (checks the code path, not the rate)."""
-    moe = any(hasattr(m, "experts") for m in model.model.modules())
+    dtype (checks the code path, not the rate). `experts`: the routed experts too, as float8 in 128 x 128 blocks
+    that only experts_implementation='triton_fused' reads (eagle3.extract.fused_moe.quantize_experts)."""
+    from eagle3.extract.moe import experts_modules
+
+    routed = experts_modules(model)
     if model.device.type == "cuda":
         import torchao
         from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow, quantize_
 
         quantize_(model.model, Float8DynamicActivationFloat8WeightConfig(granularity=PerRow()))
-        return f"torchao {torchao.__version__} Float8DynamicActivationFloat8Weight PerRow{_EXPERTS_NOTE * moe}"
-    with torch.no_grad():
-        for mod in model.model.layers.modules():
-            if isinstance(mod, torch.nn.Linear):
-                w = mod.weight.float()
-                scale = w.abs().amax(dim=1, keepdim=True).clamp_min(1e-12) / FP8_MAX
-                mod.weight.copy_(((w / scale).to(torch.float8_e4m3fn).float() * scale).to(mod.weight.dtype))
-    return "simulated: decoder linear weights rounded to e4m3, per-row scales" + _EXPERTS_NOTE * moe
+        method = f"torchao {torchao.__version__} Float8DynamicActivationFloat8Weight PerRow"
+    else:
+        with torch.no_grad():
+            for mod in model.model.layers.modules():
+                if isinstance(mod, torch.nn.Linear):
+                    w = mod.weight.float()
+                    scale = w.abs().amax(dim=1, keepdim=True).clamp_min(1e-12) / FP8_MAX
+                    mod.weight.copy_(((w / scale).to(torch.float8_e4m3fn).float() * scale).to(mod.weight.dtype))
+        method = "simulated: decoder linear weights rounded to e4m3, per-row scales"
+    if routed and experts:
+        from eagle3.extract.fused_moe import quantize_experts
+
+        for module in routed:
+            quantize_experts(module)
+        return method + "; routed experts float8 in 128 x 128 blocks, run in FP8 by triton_fused"
+    return method + _EXPERTS_NOTE * bool(routed)
+
+
+def fp8_experts_fit(model) -> bool:
+    """Can the routed experts go to 128 x 128 FP8 blocks (hidden and expert width whole blocks)?"""
+    from eagle3.extract.moe import experts_modules
+
+    routed = experts_modules(model)
+    return bool(routed) and all(d % 128 == 0 for d in routed[0].down_proj.shape[1:])
 
 
 @torch.inference_mode()
-def states_error(ref_model, model, layers: list[int], dtype_name: str, ids: torch.Tensor) -> list[dict]:
-    """Per capture layer and the final state: relative L2 error and mean cosine of `model`'s states against
-    `ref_model`'s on the same ids. Random weights say how fast, not how accurate a trained model would be."""
-    backends = [HFBackend(model=ref_model), HFBackend(model=model)]
+def states_error(ref_model, model, layers: list[int], dtype_name: str, ids: torch.Tensor,
+                 experts: str = "auto") -> list[dict]:
+    """Per capture layer and the final state: relative L2 error and mean cosine of `model`'s states (through the
+    `experts` kernel) against `ref_model`'s on the same ids. Random weights say how fast, not how accurate a
+    trained model would be."""
+    backends = [HFBackend(model=ref_model), HFBackend(model=model, experts=experts)]
     for b in backends:
         b.load("random", dtype_name, str(ids.device), layers)
     (ra, rf), (qa, qf) = (b.capture(ids) for b in backends)

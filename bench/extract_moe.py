@@ -41,8 +41,8 @@ MOE_SHAPES = {
     "dsv3": ("DeepseekV3Config", _DSV3),  # num_hidden_layers: dsv3_layers()
     "tiny-moe": ("Qwen3MoeConfig", dict(
         hidden_size=128, intermediate_size=256, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=32, moe_intermediate_size=64, num_experts=16, num_experts_per_tok=4, norm_topk_prob=True,
-        vocab_size=1024, max_position_embeddings=2048)),
+        head_dim=32, moe_intermediate_size=128, num_experts=16, num_experts_per_tok=4, norm_topk_prob=True,
+        vocab_size=1024, max_position_embeddings=2048)),  # widths in whole 128-blocks: its experts can go to FP8
     "tiny-mla": ("DeepseekV3Config", dict(
         hidden_size=128, intermediate_size=256, moe_intermediate_size=64, n_routed_experts=16, num_experts_per_tok=4,
         n_shared_experts=1, n_group=4, topk_group=2, first_k_dense_replace=1, num_attention_heads=4,
@@ -231,10 +231,12 @@ def experts_block_rates(experts, counts: np.ndarray, x: torch.Tensor, flops: flo
     runs = {"grouped_mm": lambda: grouped_mm_experts_forward(experts, x, idx, w),
             fused_moe.NAME: lambda: fused_moe.fused_experts(x, idx, w, experts.gate_up_proj, experts.down_proj)}
     out, results = {}, {}
+    reps = reps if torch.device(device).type == "cuda" else 1  # the CPU interprets the Triton kernels: slow, no figure
     for name, fn in runs.items():
         try:
-            results[name] = fn()
-            out[name] = flops / _timed(fn, device, reps)
+            with torch.inference_mode():
+                results[name] = fn()
+                out[name] = flops / _timed(fn, device, reps)
         except Exception as e:  # noqa: BLE001 (a kernel this device lacks, triton missing: the row says why)
             out[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
     if len(results) == 2:  # a fast kernel that computes something else would be no lever: its error beside

@@ -44,7 +44,10 @@ def test_extract_bench_smoke_measures_every_option_on_the_cpu(tmp_path):
     # the routing is the MoE target's own work (a dense model's embedding lookup is an index op too, a small one)
     assert models["tiny-moe"]["forward_profile"]["kinds"]["routing"] > \
         models["tiny"]["forward_profile"]["kinds"].get("routing", 0.0)
-    assert "routed experts" in models["tiny-moe"]["fp8_weights"]["method"]
+    moe_fp8 = models["tiny-moe"]["fp8_weights"]  # the experts too: FP8 blocks through the fused kernels
+    assert "routed experts float8 in 128 x 128 blocks" in moe_fp8["method"]
+    assert moe_fp8["extractor"]["tokens"] == models["tiny-moe"]["tokens"]
+    assert all(0 < e["rel_l2"] < 0.5 and e["cosine_mean"] > 0.9 for e in moe_fp8["state_error"])
 
 
 def test_train_bench_speed_runs_a_tiny_drafter_on_the_cpu(tmp_path):

@@ -80,6 +80,73 @@ def test_fused_experts_equal_the_sum_over_pairs(tokens, skew, dtype, atol, tiles
     assert torch.equal(again, got)  # no atomics: the same bytes run to run
 
 
+def dequantized(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return q.double() * scale.double().repeat_interleave(128, 1).repeat_interleave(128, 2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp8_block_weights_equal_the_sum_over_pairs_of_the_quantized_values(dtype):
+    """An FP8 checkpoint's experts (128 x 128 weight blocks; activations quantized per token and 128 values, as
+    they come): the kernels' result is the definition over the dequantized weights and quantized inputs."""
+    g = torch.Generator().manual_seed(3)
+    e, hidden, width, tokens = 4, 256, 128, 37
+    w1, s1 = fused_moe.quantize_blocks(torch.randn(e, 2 * width, hidden, generator=g) * 0.05)
+    w2, s2 = fused_moe.quantize_blocks(torch.randn(e, hidden, width, generator=g) * 0.05)
+    x = torch.randn(tokens, hidden, generator=g).to(dtype)
+    idx = torch.stack([torch.randperm(e, generator=g)[:TOP_K] for _ in range(tokens)])
+    weights = torch.rand(tokens, TOP_K, generator=g)
+    got = fused_moe.fused_experts(x, idx, weights, w1, w2, s1, s2)
+
+    def quantized(v):  # the activation scheme, on values already in the run's dtype
+        q, scale = fused_moe.quantize_groups(v)
+        return q.double() * scale.double().repeat_interleave(128, 1)
+
+    xq, d1, d2 = quantized(x), dequantized(w1, s1), dequantized(w2, s2)
+    want = torch.zeros(tokens, hidden, dtype=torch.float64)
+    for t in range(tokens):
+        for j in range(TOP_K):
+            gate, up = (d1[idx[t, j]] @ xq[t]).chunk(2)
+            h = (torch.nn.functional.silu(gate) * up).to(dtype)[None]  # stored in the run's dtype, then quantized
+            want[t] += weights[t, j].double() * (d2[idx[t, j]] @ quantized(h)[0])
+    # one fp8 step (1/16) where the two sums round an intermediate value to the other side; overall well under the
+    # activations' quantization error itself (~4% here), so a lost or doubled scale cannot pass
+    torch.testing.assert_close(got.double(), want, rtol=0.05, atol=0.02 * want.abs().max().item())
+    assert (got.double() - want).norm() / want.norm() < 0.02
+
+
+def test_an_fp8_checkpoints_experts_module_runs_through_the_kernels():
+    """transformers' FP8Experts (what an FP8 checkpoint loads as) passes the checks and dispatches to the kernels
+    through transformers' FP8 experts interface."""
+    from transformers import Qwen3MoeConfig
+    from transformers.integrations import use_experts_implementation
+    from transformers.integrations.finegrained_fp8 import ALL_FP8_EXPERTS_FUNCTIONS, FP8Experts
+
+    cfg = Qwen3MoeConfig(hidden_size=256, moe_intermediate_size=128, num_experts=4, num_experts_per_tok=TOP_K,
+                         num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=64)
+    # as transformers' FP8 quantizer builds it in place of a checkpoint's experts
+    fp8_experts = use_experts_implementation(experts_class=FP8Experts, experts_interface=ALL_FP8_EXPERTS_FUNCTIONS)
+    module = fp8_experts(cfg, block_size=(128, 128))
+    g = torch.Generator().manual_seed(4)
+    with torch.no_grad():
+        for name in ("gate_up_proj", "down_proj"):
+            q, scale = fused_moe.quantize_blocks(torch.randn(getattr(module, name).shape, generator=g) * 0.05)
+            getattr(module, name).data, getattr(module, f"{name}_scale_inv").data = q, scale
+    fused_moe.register([module])
+    assert ALL_FP8_EXPERTS_FUNCTIONS.get_interface(fused_moe.NAME, None) is fused_moe.experts_forward
+    x = torch.randn(9, 256, generator=g)
+    idx = torch.stack([torch.randperm(4, generator=g)[:TOP_K] for _ in range(9)])
+    weights = torch.rand(9, TOP_K, generator=g)
+    want = fused_moe.fused_experts(x, idx, weights, module.gate_up_proj, module.down_proj,
+                                   module.gate_up_proj_scale_inv, module.down_proj_scale_inv)
+    assert torch.equal(fused_moe.experts_forward(module, x, idx, weights), want)
+    module.activation_scheme = "static"  # per-expert activation scales read from the checkpoint: not this path
+    with pytest.raises(ConfigError, match="float8 in 128 x 128 blocks"):
+        fused_moe.check_experts(module)
+    module.activation_scheme, module.limit = "dynamic", 7.0  # a clamped SwiGLU (gpt-oss style): not this path
+    with pytest.raises(ConfigError, match="a plain SwiGLU"):
+        fused_moe.check_experts(module)
+
+
 def test_refuses_layouts_the_kernels_do_not_read():
     from transformers import AutoModelForCausalLM, Qwen3MoeConfig
 
@@ -94,7 +161,8 @@ def test_refuses_layouts_the_kernels_do_not_read():
         fused_moe.check_experts(experts)
     experts.act_fn, experts.has_bias = torch.nn.SiLU(), False
     experts.down_proj.data = experts.down_proj.data.to(torch.float8_e4m3fn)  # as an FP8 checkpoint holds them
-    with pytest.raises(ConfigError, match=r"lacks what the kernels read: bf16/fp16/fp32 weights; use 'grouped_mm'"):
+    with pytest.raises(ConfigError, match=r"lacks what the kernels read: bf16/fp16/fp32 weights, or float8 in 128 x "
+                                          r"128 blocks; use 'grouped_mm'"):  # float8 without block scales
         fused_moe.check_experts(experts)
 
 
@@ -102,24 +170,27 @@ HOPPER_SHARED_BYTES = 232448  # the most shared memory a block may use on sm_90 
 
 
 @pytest.mark.parametrize("block_m", [64, 128])
-def test_every_autotune_config_compiles_for_hopper_and_pipelines_into_wgmma(block_m):
+@pytest.mark.parametrize("fp8", [False, True])
+def test_every_autotune_config_compiles_for_hopper_and_pipelines_into_wgmma(fp8, block_m):
     """No GPU needed: each config the autotuner may pick compiles for sm_90 as a launch at the MoE shapes
     specializes it (16-byte aligned pointers; strides, widths and hidden sizes multiples of 16), fits the shared
     memory, and its K loop runs on asynchronous copies into warpgroup MMAs (what a Hopper GEMM needs to be fast;
-    without the alignment facts Triton pipelines nothing)."""
+    without the alignment facts Triton pipelines nothing); in FP8 the MMAs take float8 operands."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, compile
 
     from eagle3.extract import fused_moe_kernels as kernels
 
-    pointer_types = {"pairs_ptr": "*i32", "block_expert_ptr": "*i32", "weights_ptr": "*fp32"}
-    for name, autotuner in zip(("gate_up", "down"), kernels.GPU):
+    values = "*fp8e4nv" if fp8 else "*bf16"
+    pointer_types = {"pairs_ptr": "*i32", "block_expert_ptr": "*i32", "weights_ptr": "*fp32", "out_ptr": "*bf16",
+                     "x_scale_ptr": "*fp32", "h_scale_ptr": "*fp32", "w_scale_ptr": "*fp32"}
+    for name, autotuner in zip(("gate_up", "down"), kernels.GPU[fp8]):
         fn = autotuner.fn
         aligned = [a for a in fn.arg_names if a.endswith("_ptr") or a.startswith("stride") or a in ("N", "K")]
         attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in aligned}
-        for config in kernels.configs(name):
-            constants = {"BLOCK_M": block_m, "UPCAST": False, **config.kwargs}
-            signature = {a: pointer_types.get(a, "*bf16") if a.endswith("_ptr") else "constexpr" if a in constants
+        for config in kernels.configs(f"{name}_fp8" if fp8 else name):
+            constants = {"BLOCK_M": block_m, "UPCAST": False, "FP8": fp8, **config.kwargs}
+            signature = {a: pointer_types.get(a, values) if a.endswith("_ptr") else "constexpr" if a in constants
                          else "i32" for a in fn.arg_names}
             source = ASTSource(fn=fn, signature=signature, attrs=attrs,
                                constexprs={(fn.arg_names.index(k),): v for k, v in constants.items()})
@@ -129,3 +200,4 @@ def test_every_autotune_config_compiles_for_hopper_and_pipelines_into_wgmma(bloc
             where = f"{name} {config}"
             assert compiled.metadata.shared <= HOPPER_SHARED_BYTES, where
             assert "async_copy_global_to_local" in ir and "warp_group_dot" in ir, where
+            assert ("f8E4M3FN" in ir) == fp8, where

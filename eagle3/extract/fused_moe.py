@@ -25,18 +25,28 @@ from eagle3.errors import ConfigError
 NAME = "triton_fused"
 PARAM = f"extract param experts_implementation={NAME!r}"
 WEIGHT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+FP8_BLOCK, FP8_MAX = 128, 448.0  # DeepSeek-V3's FP8 checkpoint: 128 x 128 weight blocks; e4m3's largest value
 
 
-def kernels(device: torch.device):
-    """(gate_up, down, fixed tiles) for `device`: on CUDA compiled and autotuned, elsewhere interpreted.
-    ConfigError when Triton is not installed."""
+def kernels(device: torch.device, fp8: bool = False):
+    """(gate_up, down, fixed tiles) for `device`: on CUDA compiled and autotuned (tiles per dtype), elsewhere
+    interpreted. ConfigError when Triton is not installed."""
     try:
         from eagle3.extract import fused_moe_kernels
     except ImportError as e:
         raise ConfigError(f"{PARAM} needs the triton package ({e}); use 'grouped_mm'") from e
     if device.type == "cuda":
-        return (*fused_moe_kernels.GPU, {})
+        return (*fused_moe_kernels.GPU[fp8], {})
     return (*fused_moe_kernels.CPU, fused_moe_kernels.CPU_TILES)
+
+
+def quantize_groups(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x_q float8_e4m3fn [R, K], scale float32 [R, K / 128]): each row's groups of FP8_BLOCK values scaled by
+    amax / 448, the dynamic activation scheme of DeepSeek-V3's FP8 checkpoint (transformers' act_quant)."""
+    r, k = x.shape
+    groups = x.float().view(r, k // FP8_BLOCK, FP8_BLOCK)
+    scale = groups.abs().amax(-1).clamp_min(1e-12) / FP8_MAX
+    return (groups / scale[..., None]).to(torch.float8_e4m3fn).view(r, k), scale
 
 
 def block_m_for(num_pairs: int, num_experts: int, device: torch.device) -> int:
@@ -66,43 +76,90 @@ def align_pairs(top_k_index: torch.Tensor, num_experts: int, block_m: int) -> tu
     return pairs, block_expert
 
 
+def quantize_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(w_q float8_e4m3fn [E, out, in], scale float32 [E, out / 128, in / 128]) with w ~ w_q * scale per 128 x 128
+    block: the layout of DeepSeek-V3's FP8 checkpoint, which the kernels read."""
+    e, o, i = w.shape
+    blocks = w.float().view(e, o // FP8_BLOCK, FP8_BLOCK, i // FP8_BLOCK, FP8_BLOCK)
+    scale = blocks.abs().amax(dim=(2, 4)).clamp_min(1e-12) / FP8_MAX
+    return (blocks / scale[:, :, None, :, None]).to(torch.float8_e4m3fn).view(e, o, i), scale
+
+
+def quantize_experts(module) -> None:
+    """A bf16 experts module's weights to FP8 in 128 x 128 blocks, in place, as an FP8 checkpoint would load them
+    (FP8 on load of a bf16 target, for this kernel only: transformers' own experts paths do not read them)."""
+    with torch.no_grad():
+        for name in ("gate_up_proj", "down_proj"):
+            q, scale = quantize_blocks(getattr(module, name))
+            setattr(module, name, torch.nn.Parameter(q, requires_grad=False))
+            setattr(module, f"{name}_scale_inv", torch.nn.Parameter(scale, requires_grad=False))
+    module.block_size, module.activation_scheme = (FP8_BLOCK, FP8_BLOCK), "dynamic"
+
+
 @torch.library.custom_op("eagle3::triton_fused_experts", mutates_args=())
 def fused_experts(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, gate_up_proj: torch.Tensor,
-                  down_proj: torch.Tensor) -> torch.Tensor:
+                  down_proj: torch.Tensor, gate_up_scale: torch.Tensor | None = None,
+                  down_scale: torch.Tensor | None = None) -> torch.Tensor:
     """The routed experts' sum for tokens x [T, H]: sum_j weight[t, j] * down(SiLU(gate) * up)(x[t]) through expert
-    top_k_index[t, j]; gate_up_proj [E, 2I, H], down_proj [E, H, I] (transformers' layout)."""
+    top_k_index[t, j]; gate_up_proj [E, 2I, H], down_proj [E, H, I] (transformers' layout). With scales the
+    weights are float8 in 128 x 128 blocks (w = w_q * scale, scale [E, out / 128, in / 128]) and the GEMMs run in
+    FP8, their inputs quantized per token and 128 values (`quantize_groups`)."""
     x = x.contiguous()
     t, hidden = x.shape
     top_k, (num_experts, two_i, _) = top_k_index.shape[-1], gate_up_proj.shape
     width, s = two_i // 2, t * top_k
+    fp8 = gate_up_scale is not None
     block_m = block_m_for(s, num_experts, x.device)
     pairs, block_expert = align_pairs(top_k_index, num_experts, block_m)
     num_blocks = block_expert.numel()
-    gate_up, down, tiles = kernels(x.device)
+    gate_up, down, tiles = kernels(x.device, fp8)
     upcast = x.device.type != "cuda"
     w1, w2 = gate_up_proj.contiguous(), down_proj.contiguous()
+    s1 = gate_up_scale.contiguous() if fp8 else w1  # (unread without FP8)
+    s2 = down_scale.contiguous() if fp8 else w2
+    xq, xs = quantize_groups(x) if fp8 else (x, x)
     h = torch.empty(pairs.numel(), width, dtype=x.dtype, device=x.device)
     gate_up[lambda meta: (-(-width // meta["BLOCK_N"]), num_blocks)](
-        x, w1, h, pairs, block_expert, s, top_k, num_experts, width, hidden,
-        x.stride(0), w1.stride(0), w1.stride(1), h.stride(0), BLOCK_M=block_m, UPCAST=upcast, **tiles)
+        xq, w1, h, pairs, block_expert, xs, s1, s, top_k, num_experts, width, hidden,
+        xq.stride(0), w1.stride(0), w1.stride(1), h.stride(0), xs.stride(0), s1.stride(0), s1.stride(1),
+        BLOCK_M=block_m, UPCAST=upcast, FP8=fp8, **tiles)
+    hq, hs = quantize_groups(h) if fp8 else (h, h)
     out = torch.empty(s, hidden, dtype=x.dtype, device=x.device)
     weights = top_k_weights.reshape(-1).contiguous()
     down[lambda meta: (-(-hidden // meta["BLOCK_N"]), num_blocks)](
-        h, w2, out, pairs, block_expert, weights, s, num_experts, hidden, width,
-        h.stride(0), w2.stride(0), w2.stride(1), out.stride(0), BLOCK_M=block_m, UPCAST=upcast, **tiles)
+        hq, w2, out, pairs, block_expert, weights, hs, s2, s, num_experts, hidden, width,
+        hq.stride(0), w2.stride(0), w2.stride(1), out.stride(0), hs.stride(0), s2.stride(0), s2.stride(1),
+        BLOCK_M=block_m, UPCAST=upcast, FP8=fp8, **tiles)
     return out.view(t, top_k, hidden).sum(dim=1).to(x.dtype)
 
 
 @fused_experts.register_fake
-def _(x, top_k_index, top_k_weights, gate_up_proj, down_proj):
+def _(x, top_k_index, top_k_weights, gate_up_proj, down_proj, gate_up_scale=None, down_scale=None):
     return torch.empty_like(x)
 
 
 def experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                     top_k_weights: torch.Tensor) -> torch.Tensor:
-    """transformers' experts interface: the module's own weights through `fused_experts`."""
-    return fused_experts(hidden_states, top_k_index, top_k_weights, self.gate_up_proj,
-                         self.down_proj)
+    """transformers' experts interface: the module's own weights (and an FP8 checkpoint's block scales) through
+    `fused_experts`."""
+    fp8 = self.gate_up_proj.dtype == torch.float8_e4m3fn
+    return fused_experts(hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj,
+                         self.gate_up_proj_scale_inv if fp8 else None, self.down_proj_scale_inv if fp8 else None)
+
+
+def weights_ok(module) -> bool:
+    """Plain weights, or an FP8 checkpoint's (transformers' FP8Experts): float8 e4m3 with float32 scales per
+    128 x 128 block, activations quantized as they come (the dynamic scheme), widths in whole blocks."""
+    w1, w2 = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
+    if not (isinstance(w1, torch.Tensor) and isinstance(w2, torch.Tensor)):
+        return False
+    if w1.dtype in WEIGHT_DTYPES and w2.dtype in WEIGHT_DTYPES:
+        return True
+    scales = [getattr(module, f"{w}_scale_inv", None) for w in ("gate_up_proj", "down_proj")]
+    return (w1.dtype == w2.dtype == torch.float8_e4m3fn and tuple(getattr(module, "block_size", None) or ()) ==
+            (FP8_BLOCK, FP8_BLOCK) and getattr(module, "activation_scheme", None) == "dynamic"
+            and all(isinstance(sc, torch.Tensor) and sc.dtype == torch.float32 for sc in scales)
+            and all(d % FP8_BLOCK == 0 for d in w2.shape[1:]))
 
 
 def check_experts(module) -> None:
@@ -115,9 +172,10 @@ def check_experts(module) -> None:
               "the SiLU activation": isinstance(getattr(module, "act_fn", None), torch.nn.SiLU)
               or type(getattr(module, "act_fn", None)).__name__ == "SiLUActivation",
               "no expert parallelism": not getattr(module, "_is_expert_parallel", False),
-              # an FP8 checkpoint's experts hold float8 weights and block scales (transformers' FP8Experts)
-              "bf16/fp16/fp32 weights": all(getattr(getattr(module, w, None), "dtype", None) in WEIGHT_DTYPES
-                                            for w in ("gate_up_proj", "down_proj"))}
+              "a plain SwiGLU (no clamp, softcap or alpha)": all(getattr(module, a, None) is None for a in
+                                                                 ("limit", "gate_softcap", "up_softcap",
+                                                                  "swiglu_alpha")),
+              "bf16/fp16/fp32 weights, or float8 in 128 x 128 blocks": weights_ok(module)}
     missing = [k for k, ok in checks.items() if not ok]
     if missing:
         raise ConfigError(f"{PARAM}: {type(module).__name__} lacks what the kernels read: {', '.join(missing)}; "
@@ -125,10 +183,13 @@ def check_experts(module) -> None:
 
 
 def register(experts_modules) -> None:
-    """Check each experts module and make NAME one of transformers' experts implementations."""
+    """Check each experts module and make NAME one of transformers' experts implementations (an FP8 checkpoint's
+    experts dispatch through transformers' FP8 interface: there too)."""
+    from transformers.integrations.finegrained_fp8 import FP8ExpertsInterface
     from transformers.integrations.moe import ExpertsInterface
 
     for module in experts_modules:
         check_experts(module)
     kernels(torch.device("cpu"))  # triton is there
     ExpertsInterface.register(NAME, experts_forward)
+    FP8ExpertsInterface.register(NAME, experts_forward)

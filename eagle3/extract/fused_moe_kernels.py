@@ -18,11 +18,14 @@ import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
 
-def gate_up_kernel(x_ptr, w_ptr, out_ptr, pairs_ptr, block_expert_ptr, num_pairs, top_k, num_experts, N, K,
-                   stride_x, stride_we, stride_wn, stride_out,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr):
+def gate_up_kernel(x_ptr, w_ptr, out_ptr, pairs_ptr, block_expert_ptr, x_scale_ptr, w_scale_ptr, num_pairs, top_k,
+                   num_experts, N, K, stride_x, stride_we, stride_wn, stride_out, stride_xs, stride_se, stride_sn,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
+                   FP8: tl.constexpr):
     """out[row, n] = SiLU(x[token] . w[e, n]) * (x[token] . w[e, N + n]) for the block's expert e; x is [T, K]
-    (K = hidden), w is gate_up_proj [E, 2N, K] (N = expert width), out's rows in the padded sorted order."""
+    (K = hidden), w is gate_up_proj [E, 2N, K] (N = expert width), out's rows in the padded sorted order.
+    FP8: x and w are float8 with scales per 128 (x_scale [T, K / 128], w_scale [E, 2N / 128, K / 128]) and
+    BLOCK_K is 128, so each K step is one scale block of both."""
     pid_n, pid_m = tl.program_id(0), tl.program_id(1)
     e = tl.load(block_expert_ptr + pid_m).to(tl.int64)
     if e >= num_experts:  # past the last expert's blocks
@@ -46,8 +49,17 @@ def gate_up_kernel(x_ptr, w_ptr, out_ptr, pairs_ptr, block_expert_ptr, num_pairs
         u = tl.load(u_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
         if UPCAST:
             a, g, u = a.to(tl.float32), g.to(tl.float32), u.to(tl.float32)
-        acc_g = tl.dot(a, g, acc_g)
-        acc_u = tl.dot(a, u, acc_u)
+        if FP8:
+            kb = k0 // BLOCK_K
+            sa = tl.load(x_scale_ptr + tokens * stride_xs + kb, mask=live, other=0.0)
+            sw = w_scale_ptr + e * stride_se + kb
+            sg = tl.load(sw + (cols // 128) * stride_sn, mask=col_ok, other=0.0)
+            su = tl.load(sw + ((N + cols) // 128) * stride_sn, mask=col_ok, other=0.0)
+            acc_g += tl.dot(a, g) * sa[:, None] * sg[None, :]
+            acc_u += tl.dot(a, u) * sa[:, None] * su[None, :]
+        else:
+            acc_g = tl.dot(a, g, acc_g)
+            acc_u = tl.dot(a, u, acc_u)
         a_ptrs += BLOCK_K
         g_ptrs += BLOCK_K
         u_ptrs += BLOCK_K
@@ -56,11 +68,12 @@ def gate_up_kernel(x_ptr, w_ptr, out_ptr, pairs_ptr, block_expert_ptr, num_pairs
     tl.store(out_ptrs, h.to(out_ptr.dtype.element_ty), mask=live[:, None] & col_ok[None, :])
 
 
-def down_kernel(h_ptr, w_ptr, out_ptr, pairs_ptr, block_expert_ptr, weights_ptr, num_pairs, num_experts, N, K,
-                stride_h, stride_we, stride_wn, stride_out,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr):
+def down_kernel(h_ptr, w_ptr, out_ptr, pairs_ptr, block_expert_ptr, weights_ptr, h_scale_ptr, w_scale_ptr,
+                num_pairs, num_experts, N, K, stride_h, stride_we, stride_wn, stride_out, stride_hs, stride_se,
+                stride_sn, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
+                FP8: tl.constexpr):
     """out[pair, n] = weight[pair] * (h[row] . w[e, n]); h is gate_up's output [rows, K] (K = expert width), w is
-    down_proj [E, N, K] (N = hidden), out is [S, N] in pair order."""
+    down_proj [E, N, K] (N = hidden), out is [S, N] in pair order. FP8: as gate_up's, h_scale [rows, K / 128]."""
     pid_n, pid_m = tl.program_id(0), tl.program_id(1)
     e = tl.load(block_expert_ptr + pid_m).to(tl.int64)
     if e >= num_experts:
@@ -80,7 +93,13 @@ def down_kernel(h_ptr, w_ptr, out_ptr, pairs_ptr, block_expert_ptr, weights_ptr,
         w = tl.load(w_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
         if UPCAST:
             a, w = a.to(tl.float32), w.to(tl.float32)
-        acc = tl.dot(a, w, acc)
+        if FP8:
+            kb = k0 // BLOCK_K
+            sa = tl.load(h_scale_ptr + rows.to(tl.int64) * stride_hs + kb, mask=live, other=0.0)
+            sw = tl.load(w_scale_ptr + e * stride_se + (cols // 128) * stride_sn + kb, mask=col_ok, other=0.0)
+            acc += tl.dot(a, w) * sa[:, None] * sw[None, :]
+        else:
+            acc = tl.dot(a, w, acc)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
     weight = tl.load(weights_ptr + pairs, mask=live, other=0.0).to(tl.float32)
@@ -92,8 +111,11 @@ def down_kernel(h_ptr, w_ptr, out_ptr, pairs_ptr, block_expert_ptr, weights_ptr,
 # (BLOCK_N, BLOCK_K, num_stages, num_warps) the autotuner tries per (N, K, BLOCK_M). gate_up holds two accumulators
 # and two weight tiles a stage, so its column tiles are the narrower. Each fits Hopper's 227 KiB of shared memory at
 # BLOCK_M 128 (tests/test_fused_moe.py compiles every one for sm_90 and checks it pipelines into wgmma).
+# FP8 (one byte a value): BLOCK_K is the scale block, 128.
 TILES = {"gate_up": [(64, 64, 4, 4), (64, 64, 4, 8), (64, 128, 3, 8), (128, 64, 3, 8), (128, 64, 4, 8)],
-         "down": [(128, 64, 4, 4), (128, 64, 4, 8), (128, 128, 3, 8), (256, 64, 3, 8), (256, 64, 4, 8)]}
+         "down": [(128, 64, 4, 4), (128, 64, 4, 8), (128, 128, 3, 8), (256, 64, 3, 8), (256, 64, 4, 8)],
+         "gate_up_fp8": [(64, 128, 4, 4), (64, 128, 4, 8), (128, 128, 3, 8), (128, 128, 4, 8)],
+         "down_fp8": [(128, 128, 4, 4), (128, 128, 4, 8), (256, 128, 3, 8), (256, 128, 4, 8)]}
 
 
 def configs(kernel: str) -> list:
@@ -107,6 +129,7 @@ def autotuned(fn, kernel: str):
     return triton.autotune(configs(kernel), key=["N", "K", "BLOCK_M"], **keep)(triton.jit(fn))
 
 
-GPU = (autotuned(gate_up_kernel, "gate_up"), autotuned(down_kernel, "down"))
+GPU = {False: (autotuned(gate_up_kernel, "gate_up"), autotuned(down_kernel, "down")),
+       True: (autotuned(gate_up_kernel, "gate_up_fp8"), autotuned(down_kernel, "down_fp8"))}  # by FP8
 CPU = (InterpretedFunction(gate_up_kernel), InterpretedFunction(down_kernel))
 CPU_TILES = {"BLOCK_N": 128, "BLOCK_K": 128}  # the interpreter: no autotuning; few programs, each a numpy call
