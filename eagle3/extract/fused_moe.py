@@ -11,6 +11,8 @@ is about a quarter of the experts' GEMM time. Here there are two kernels and one
   torch reduction (no atomics, so a re-run writes the same bytes).
 Pairs are grouped per expert in blocks of BLOCK_M rows, each expert's group padded to whole blocks
 (`align_pairs`, on the device: no host sync). The kernels sit behind a torch custom op, opaque to torch.compile.
+FP8 weights in 128 x 128 blocks (DeepSeek-V3's FP8 checkpoint) run as float8 MMAs, each GEMM's input quantized per
+token and 128 values first (`quantize_groups`).
 
 On the CPU the same kernels run in Triton's interpreter (the tests, and the CPU path of the extractor). Its dot of
 bf16 tiles is wrong (triton 3.9 holds bf16 as uint16 in numpy), so there the tiles go to fp32 first (UPCAST).
