@@ -14,8 +14,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from bench.extract_moe import (ceiling_roofline, expert_gemm_ceiling, moe_blocks, restore_router, routing_load,
-                               skew_router)
+from bench.extract_moe import ceiling_roofline, expert_gemm_ceiling, restore_router, routing_load, skew_router
+from eagle3.extract.moe import experts_modules
 
 KEYS = {"budget": "token_budget", "token_budget": "token_budget", "pad": "pad_multiple",
         "pad_multiple": "pad_multiple", "experts": "experts_implementation",
@@ -82,7 +82,7 @@ def measure_moe(b, name: str, t, best: dict, roofline: float, matmul: float, len
     """The experts' GEMM ceiling at the routed shapes, the ceiling roofline, both ratios, and (--skew) the same
     model with a Zipf-like router: its routing load, its ceiling at that load and its rate through `best`."""
     cfg = t.model.config
-    experts = moe_blocks(t.model.model.layers)[0].experts
+    experts = experts_modules(t.model)[0]
     ceiling = expert_gemm_ceiling(cfg, t.budget, b.device, b.dtype, experts=experts)
     out = {"expert_ceiling": ceiling, "routing_uniform": routing_load(t.model, routing_ids(t, b.device))}
     if ceiling["ceiling"]:

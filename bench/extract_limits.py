@@ -155,10 +155,11 @@ def quantize_fp8(model, experts: bool = False) -> str:
 
 def fp8_experts_fit(model) -> bool:
     """Can the routed experts go to 128 x 128 FP8 blocks (hidden and expert width whole blocks)?"""
+    from eagle3.extract.fused_moe import whole_fp8_blocks
     from eagle3.extract.moe import experts_modules
 
     routed = experts_modules(model)
-    return bool(routed) and all(d % 128 == 0 for d in routed[0].down_proj.shape[1:])
+    return bool(routed) and whole_fp8_blocks(routed[0])
 
 
 @torch.inference_mode()

@@ -161,7 +161,13 @@ def weights_ok(module) -> bool:
     return (w1.dtype == w2.dtype == torch.float8_e4m3fn and tuple(getattr(module, "block_size", None) or ()) ==
             (FP8_BLOCK, FP8_BLOCK) and getattr(module, "activation_scheme", None) == "dynamic"
             and all(isinstance(sc, torch.Tensor) and sc.dtype == torch.float32 for sc in scales)
-            and all(d % FP8_BLOCK == 0 for d in w2.shape[1:]))
+            and whole_fp8_blocks(module))
+
+
+def whole_fp8_blocks(module) -> bool:
+    """Are the experts' hidden size and width whole FP8 blocks (so their weights can be, or are, in 128 x 128
+    blocks, and each GEMM input in groups of 128)?"""
+    return all(d % FP8_BLOCK == 0 for d in module.down_proj.shape[1:])
 
 
 def check_experts(module) -> None:
