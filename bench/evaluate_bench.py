@@ -97,7 +97,8 @@ def run_sequential(dec: SpeculativeDecoder, turns, max_new: int, k: int) -> dict
             "tau": tau_of(hist)["tau"], "identical_to_greedy": same, "tokens": outs}
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
+    """The command line (tests/test_device_runs.py checks docs/device-runs.md's commands against it)."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", help="target HF folder (default: the SmolLM2 of ~/.cache/eagle3)")
     ap.add_argument("--export", help="drafter export folder (default with --smoke: a random drafter)")
@@ -109,7 +110,11 @@ def main() -> None:
     ap.add_argument("--sequential-turns", type=int, default=24, help="turns today's evaluator runs (0 = none)")
     ap.add_argument("--smoke", action="store_true", help="CPU: 2 conversations, 16 tokens, k=3, random drafter")
     ap.add_argument("--out", required=True)
-    args = ap.parse_args()
+    return ap
+
+
+def main() -> None:
+    args = parser().parse_args()
     if args.smoke:
         args.conversations, args.max_new_tokens, args.ks, args.sequential_turns = 2, 16, [3], 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", stream=sys.stdout)

@@ -149,7 +149,8 @@ def kill_and_resume(a, model_dir: Path, tp: int, spec, reference: Path) -> dict:
             "resumed_from_chunk": summary.get("resumed_from_chunk"), "chunks": len(sha), "byte_identical": sha == ref}
 
 
-def main(argv=None) -> int:
+def parser() -> argparse.ArgumentParser:
+    """The command line (tests/test_device_runs.py checks docs/device-runs.md's commands against it)."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="8b", help="a random-weight shape of bench/extract_limits.py")
     ap.add_argument("--tokens", default="1e6")
@@ -169,7 +170,11 @@ def main(argv=None) -> int:
     ap.add_argument("--smoke", action="store_true", help="CPU, gloo: the tiny shape, tp 1,2, 2 shards, the kill")
     ap.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--out", default=None)
-    a = ap.parse_args(argv)
+    return ap
+
+
+def main(argv=None) -> int:
+    a = parser().parse_args(argv)
     a.argv, a.work = list(sys.argv[1:] if argv is None else argv), str(Path(a.work).resolve())
     if a.smoke:
         a.model, a.tokens, a.min_len, a.max_len, a.tp, a.shards, a.kill = "tiny", "2400", 64, 400, "1,2", 2, True

@@ -59,7 +59,8 @@ def child(a: argparse.Namespace) -> dict:
             "extract_wall_s": r["wall_s"], **cache_counters()}
 
 
-def main(argv=None) -> int:
+def parser() -> argparse.ArgumentParser:
+    """The command line (tests/test_device_runs.py checks docs/device-runs.md's commands against it)."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="qwen3-30b-a3b")
     ap.add_argument("--tokens", default="2e6", help="tokens of each task's shard")
@@ -78,7 +79,11 @@ def main(argv=None) -> int:
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny-moe, 3000 tokens, 2 tasks")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--out", default=None)
-    a = ap.parse_args(argv)
+    return ap
+
+
+def main(argv=None) -> int:
+    a = parser().parse_args(argv)
     if a.smoke:
         a.model, a.tokens, a.min_len, a.max_len, a.device, a.chunk_mb, a.writers = "tiny-moe", "3000", 64, 400, \
             "cpu", 1, 2

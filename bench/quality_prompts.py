@@ -137,14 +137,19 @@ def answered_parts(root: Path, part_size: int, n_prompts: int) -> tuple[int, int
     return parts, min(n_prompts, parts * part_size)
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
+    """The command line (tests/test_device_runs.py checks docs/device-runs.md's commands against it)."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("prompts", help="prompt JSONL")
     ap.add_argument("--model", default="", help="the target's folder (its tokenizer; default: the cached SmolLM2)")
     ap.add_argument("--max-prompt-tokens", type=int, default=768)
     ap.add_argument("--limit", type=int, default=10 ** 9, help="lines read at most")
     ap.add_argument("--out", default="")
-    args = ap.parse_args()
+    return ap
+
+
+def main() -> None:
+    args = parser().parse_args()
     from eagle3.models import ensure_smollm2, load_tokenizer
 
     tok = load_tokenizer(args.model or ensure_smollm2())

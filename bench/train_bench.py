@@ -205,7 +205,8 @@ def speed(shapes: str, modes: str, K: int, steps: int, out: str) -> dict:
     return info
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
+    """The command line (tests/test_device_runs.py checks docs/device-runs.md's commands against it)."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default="small,8b", help="speed: drafter shapes (small, 8b, tiny)")
     ap.add_argument("--modes", default="eager,compile", help="speed: eager and/or compiled")
@@ -215,7 +216,11 @@ def main() -> None:
     ap.add_argument("--parallel", default="ddp,fsdp", help="scaling: the N-GPU strategies")
     ap.add_argument("--smoke", action="store_true", help="CPU: speed on a tiny shape, then scaling on 2 gloo ranks")
     ap.add_argument("--out", default="")
-    a = ap.parse_args()
+    return ap
+
+
+def main() -> None:
+    a = parser().parse_args()
     if a.smoke:
         speed("tiny", "eager", a.K, a.steps or 2, "")
         print(json.dumps(scaling(2, a.parallel, a.steps or 4, smoke=True), indent=1))

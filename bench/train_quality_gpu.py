@@ -244,7 +244,8 @@ def run_main(runs: Runs, rows: list[dict], variants: list[Variant], parts: int, 
     return {**row, "recipe": why}
 
 
-def parse_args():
+def parser() -> argparse.ArgumentParser:
+    """The command line (tests/test_device_runs.py checks docs/device-runs.md's commands against it)."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     src = ap.add_mutually_exclusive_group()
     src.add_argument("--gguf", help="SmolLM2-135M-Instruct GGUF file (converted once into <work>/model)")
@@ -291,7 +292,11 @@ def parse_args():
                     help="generate: only the greedy answers, until --until (epoch seconds), e.g. a session of its own")
     ap.add_argument("--until", type=float, default=0, help="--stage generate: no part starts that ends past it")
     ap.add_argument("--smoke", action="store_true", help="CPU: tiny everything (the cached SmolLM2 folder)")
-    args = ap.parse_args()
+    return ap
+
+
+def parse_args():
+    args = parser().parse_args()
     if args.smoke:
         args.prompts, args.part_size, args.new_tokens, args.gen_batch, args.max_steps = 12, 6, 12, 12, 3
         args.eval_new_tokens, args.eval_conversations, args.ks, args.shards, args.batch_size = 8, 1, [2, 3], 1, 4
