@@ -144,7 +144,8 @@ def bench_resume_scan(n: int, folder: Path, answer_chars: int) -> dict:
     with AppendWriter(path, fsync_every_s=1e9) as w:
         for i in range(n):
             w.write({"sample_id": f"D-{i:016x}", "dataset": "D", "line": i + 1,
-                     "messages": [{"role": "user", "content": "question " * 20}, {"role": "assistant", "content": text}],
+                     "messages": [{"role": "user", "content": "question " * 20},
+                                  {"role": "assistant", "content": text}],
                      "answer": text, "finish_reason": "stop", "usage": {"prompt_tokens": 40, "completion_tokens": 300}})
     with open(path, "ab") as f:
         f.write(b'{"sample_id": "D-cut", "messa')  # a killed writer's last line

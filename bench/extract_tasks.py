@@ -99,7 +99,8 @@ def main(argv=None) -> int:
                   str(a.writers), "--device", a.device, "--work", str(Path(a.work) / f"task{k}"), "--cache", a.cache,
                   "--seed", str(a.seed + k)] + (["--budget", str(a.budget)] if a.budget else []) \
             + (["--discard-chunks"] if a.discard_chunks else [])
-        p = subprocess.run(argv_k, cwd=ROOT, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+        p = subprocess.run(argv_k, cwd=ROOT, capture_output=True, text=True,
+                           env={**os.environ, "PYTHONPATH": str(ROOT)})
         line = next((x for x in p.stdout.splitlines() if x.startswith("TASK ")), None)
         if p.returncode or line is None:
             print(p.stdout[-2000:], p.stderr[-4000:], file=sys.stderr)

@@ -44,7 +44,8 @@ def generate(folder: Path, total_tokens: int, seed: int = 0) -> Path:
                 ids = rng.integers(0, VOCAB, L)
                 prompt = int(L * rng.uniform(0.1, 0.6))
                 mask = "0," * prompt + "1," * (L - prompt)
-                f.write(f'{{"sample_id": "{name}-{i:08d}", "dataset": "{name}", "input_ids": [{",".join(map(str, ids.tolist()))}], '
+                f.write(f'{{"sample_id": "{name}-{i:08d}", "dataset": "{name}", '
+                        f'"input_ids": [{",".join(map(str, ids.tolist()))}], '
                         f'"loss_mask": [{mask[:-1]}]}}\n')
                 n += L
                 i += 1
@@ -87,7 +88,8 @@ table = pa.Table.from_pylist(rows)
 pq.write_table(table, sys.argv[2] + "/naive.parquet", compression="zstd", compression_level=1)
 dt = time.perf_counter() - t
 tokens = sum(len(r["input_ids"]) for r in rows)
-print(json.dumps({"seconds": dt, "cpu_s": sum(resource.getrusage(resource.RUSAGE_SELF)[:2]), "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+print(json.dumps({"seconds": dt, "cpu_s": sum(resource.getrusage(resource.RUSAGE_SELF)[:2]),
+                  "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
 """
 
 
@@ -133,7 +135,8 @@ def main() -> None:
             b["tokens_per_cpu_s"] = r["tokens_in"] / b["cpu_s"]
             results[f"naive_{m}M"] = b
             print(f"naive {m}M tokens: {b['seconds']:.1f} s, {b['tokens_per_s'] / 1e6:.2f}M tokens/s,"
-                  f" ({b['tokens_per_cpu_s'] / 1e6:.2f}M per CPU-second), peak RSS {b['peak_rss_mb']:.0f} MB -> merge is {r['tokens_per_s'] / b['tokens_per_s']:.1f}x"
+                  f" ({b['tokens_per_cpu_s'] / 1e6:.2f}M per CPU-second), peak RSS {b['peak_rss_mb']:.0f} MB"
+                  f" -> merge is {r['tokens_per_s'] / b['tokens_per_s']:.1f}x"
                   f" faster with {b['peak_rss_mb'] / r['peak_rss_mb']:.1f}x less memory", flush=True)
     sizes = sorted(int(s) for s in args.sizes.split(","))
     if len(sizes) > 1:

@@ -165,7 +165,8 @@ def main_variant(base: Variant, parts: int, train_o: dict, data_o: dict, ks: lis
 def recipe(rows: list[dict], variants: list[Variant]) -> tuple[dict, dict, list[str]]:
     """The knobs the finished rows support: per group, the row with the highest tau at the first k, when it beats
     the base run by more than MARGIN (else the base value). Sampled answers and FP8 weights are reported, never
-    adopted (the main run's answers are greedy, its states bf16). Returns (train overrides, data overrides, one reason per group decided)."""
+    adopted (the main run's answers are greedy, its states bf16). Returns (train overrides, data overrides, one
+    reason per group decided)."""
     by_name = {v.name: v for v in variants}
     done = {r["name"]: r for r in rows if r.get("tau") and r["status"] == "done"}
     if "base" not in done:

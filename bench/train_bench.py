@@ -1,9 +1,9 @@
 """Drafter training benchmark: throughput and MFU on one GPU; with --gpus N, 1 vs N GPUs through the real trainer.
 
-Speed (one GPU, random target states: shapes only matter for speed). One training step = TTT loss over K steps + backward + grad clip + fused AdamW, exactly the trainer's
-`ttt_loss`. Shapes: the SmolLM2-135M drafter and a Llama-3-8B-shape drafter (hidden 4096). The
-bf16 matmul peak is measured in the same process (the MFU denominator) and the datasheet 989 TFLOP/s
-is reported beside it. Counted FLOPs = 6 x matmul weights x tokens (x K steps; fc once)
+Speed (one GPU, random target states: shapes only matter for speed). One training step = TTT loss over K steps
++ backward + grad clip + fused AdamW, exactly the trainer's `ttt_loss`. Shapes: the SmolLM2-135M drafter and a
+Llama-3-8B-shape drafter (hidden 4096). The bf16 matmul peak is measured in the same process (the MFU denominator)
+and the datasheet 989 TFLOP/s is reported beside it. Counted FLOPs = 6 x matmul weights x tokens (x K steps; fc once)
 + causal attention (QK and AV over the t+1 visible keys + the k diagonal ones, x3 for backward)
 + 2 x H x Vd for the teacher logits (no grad).
 
@@ -113,7 +113,8 @@ def run_shape(name: str, mode: str, K: int, steps: int, device) -> dict:
     flops = step_flops(cfg, B, S, K)
     return {"shape": name, "mode": mode, "K": K, "batch": B, "seq": S, "hidden": H, "draft_vocab": cfg.draft_vocab_size,
             "params_M": sum(p.numel() for p in drafter.parameters()) / 1e6, "step_s": dt,
-            "tokens_per_s": B * S / dt, "tflops_per_s": flops / dt / 1e12, "warmup_s": warm_s, "loss": float(loss.detach()),
+            "tokens_per_s": B * S / dt, "tflops_per_s": flops / dt / 1e12, "warmup_s": warm_s,
+            "loss": float(loss.detach()),
             "peak_mem_gb": torch.cuda.max_memory_allocated() / 1e9 if device.type == "cuda" else None}
 
 

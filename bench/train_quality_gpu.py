@@ -15,9 +15,10 @@ each, bench/quality_plan.py's order: most informative first) and are evaluated o
 (quality_plan.recipe), its optimizer steps capped to end inside --deadline-s, evaluated at --eval-new-tokens and
 every k. --studies adds issue 30's rows at the default recipe (data scaling, epochs, fp8, the checkpoint chosen by
 simulated acceptance: quality_plan.studies); with --ablations none they run without the base row; --stage generate
-only answers, for a session of its own (docs/device-runs.md, "Quality round 2"). Each row is configured as a pipeline run is (row_config: its knobs as trigger-form params, composed and
-resolved by eagle3.config), in folders of its own. Every finished row is written at once to --out/ablations.json
-and ablations.md (the table for docs/benchmarks.md), the main run to quality_gpu.json.
+only answers, for a session of its own (docs/device-runs.md, "Quality round 2"). Each row is configured as a
+pipeline run is (row_config: its knobs as trigger-form params, composed and resolved by eagle3.config), in folders
+of its own. Every finished row is written at once to --out/ablations.json and ablations.md (the table for
+docs/benchmarks.md), the main run to quality_gpu.json.
 
 Deadlines: the answers stop at --gen-by-s, the ablation rows start no later than --ablations-by-s (a row whose
 estimate ends later is "not run"), everything ends by --deadline-s less --reserve-s (seconds from the start). Every
@@ -47,7 +48,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 
 from bench.extract_limits import fp8_extraction_backend  # noqa: E402
-from bench.quality_plan import OVERRIDE_KNOBS, Clock, Variant, main_variant, plan, recipe, studies, write_table  # noqa: E402
+from bench.quality_plan import (OVERRIDE_KNOBS, Clock, Variant, main_variant, plan, recipe, studies,  # noqa: E402
+                                write_table)
 from bench.quality_prompts import TURNS, answered_parts, first_turns, generate, read_conversations  # noqa: E402
 from eagle3.config import RunConfig, resolve  # noqa: E402
 from eagle3.errors import PipelineError  # noqa: E402
@@ -107,7 +109,8 @@ def row_config(args, model_path: Path, work: Path, v: Variant) -> RunConfig:
               "max_seq_len": d.max_seq_len, "storage_dtype": d.storage, "num_shards": args.shards,
               "token_budget": 65536, "chunk_mb": 256, **{k: x for k, x in v.train.items() if k not in OVERRIDE_KNOBS},
               "max_steps": args.max_steps,
-              "train_overrides": {**TRAIN_OVERRIDES, **{k: x for k, x in v.train.items() if k in OVERRIDE_KNOBS}}, "eval_prompts": args.eval_prompts, "eval_ks": v.ks,
+              "train_overrides": {**TRAIN_OVERRIDES, **{k: x for k, x in v.train.items() if k in OVERRIDE_KNOBS}},
+              "eval_prompts": args.eval_prompts, "eval_ks": v.ks,
               "eval_max_new_tokens": v.eval_new_tokens, "eval_max_prompts": args.eval_conversations}
     cfg, _ = resolve(RunConfig.from_params(params, v.name))
     data, answers, trained = work / f"data-{d.key}", answers_dir(args, work, d), work / f"train-{v.name}"
