@@ -25,7 +25,8 @@ from urllib.parse import quote
 
 import pytest
 
-from airflow_harness import AirflowClient, free_port
+from airflow_client import AirflowClient
+from airflow_harness import free_port
 from browser import chromium, log_in, wait_for
 
 pytestmark = [pytest.mark.slow]

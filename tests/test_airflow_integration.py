@@ -17,7 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from airflow_harness import AirflowCluster, ApiError, MetadataDB
+from airflow_client import ApiError
+from airflow_harness import AirflowCluster, MetadataDB
 from browser import chromium, log_in, wait_for
 from eagle3.config import form_params
 
