@@ -6,7 +6,8 @@ In ONE process on one device, side by side (bench/extract_limits.py holds the ta
   - the fsynced disk write rate (1, 2 and as many writers as the extractor uses) -> the disk limit in tokens/s;
   - the naive method (batch 1, output_hidden_states=True and logits, synchronous .cpu(), a file per sample);
   - the extractor as the operator runs it, on the same samples: eager, compiled (`--compile`), fused (`--fused`),
-    per SDPA kernel (`--attention`); fp8 storage (`--fp8`), an FP8-on-load target (`--fp8-weights`), runs between
+    per SDPA kernel (`--attention`); fp8 storage (`--fp8`), an FP8-on-load target (`--fp8-weights`; in DeepSeek-V3's
+    FP8 checkpoint layout through the project's kernels: `--fp8-blocks`), runs between
     disk probes (`--rounds`), the sustained matmul rate (`--matmul-seconds`), levers side by side (`--variants`);
   - MoE models: the experts' GEMMs alone at the routed shapes (the ceiling) and both ratios, a skewed router
     (`--skew`): bench/extract_levers.py, bench/extract_moe.py;
@@ -52,7 +53,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.extract_limits import (DEFAULT_BUDGET, ChunkReaper, against_sustained, build_model,  # noqa: E402
                                   disk_probe, empty_pinned_host_cache, fp8_experts_fit, interleaved_rounds,
                                   limits_entry, machine_limits, make_samples, matmul_sustained,
-                                  model_flops_per_sample, print_summary, quantize_fp8, states_error, sync)
+                                  model_flops_per_sample, print_summary, quantize_fp8, quantize_fp8_blocks,
+                                  states_error, sync)
 from bench.extract_levers import measure_moe, measure_variants_side_by_side, parse_variants  # noqa: E402
 from bench.extract_moe import is_moe  # noqa: E402
 from bench.extract_profile import run_profile  # noqa: E402
@@ -66,8 +68,9 @@ from tests.support.synthetic import write_merged_dataset  # noqa: E402
 
 SMOKE = dict(models="tiny,tiny-moe,tiny-mla", device="cpu", dtype="float32", tokens="3000,1500,1500", min_len=64,
              max_len=400, budget="1024,1024,1024", writers="2", chunk_mb="1", disk_gb=0.02, naive_seconds=1.0,
-             matmul_n=256, fp8="tiny", fp8_weights="tiny,tiny-moe", rounds=1, round_probe_gb=0.02, fresh_rounds=True,
-             pad_multiples="1,auto", skew=1.0, variant_models="tiny-moe", profile_batches=3,
+             matmul_n=256, fp8="tiny", fp8_weights="tiny,tiny-moe", fp8_blocks="tiny-moe", rounds=1,
+             round_probe_gb=0.02, fresh_rounds=True, pad_multiples="1,auto", skew=1.0, variant_models="tiny-moe",
+             profile_batches=3,
              variants="batched:experts=batched_mm;fused:experts=triton_fused;budget512:budget=512;bad:experts=nope")
 
 
@@ -195,12 +198,13 @@ def measure_variants(b: Bench, name: str, t: Target) -> tuple[dict, dict]:
     return variants, best
 
 
-def measure_fp8_weights(b: Bench, name: str, t: Target, best: dict) -> dict:
+def measure_fp8_weights(b: Bench, name: str, t: Target, best: dict, blocks: bool = False) -> dict:
     """The same weights quantized to FP8 on load, through the fastest variant's params: rate against it, and the
-    relative error of the captured states on two samples."""
-    model, _ = build_model(name, b.device, b.dtype, b.args.real_path)  # seed 0: the same weights as t.model
+    relative error of the captured states on two samples. `blocks`: in DeepSeek-V3's FP8 checkpoint layout, run
+    by the project's kernels (quantize_fp8_blocks); else torchao on the linears."""
+    model, _ = build_model(name, b.device, b.dtype, b.args.real_path, b.args.dsv3_layers)  # seed 0: t.model's weights
     experts = fp8_experts_fit(model)  # a MoE target's experts in FP8 too, through the fused kernels
-    method = quantize_fp8(model, experts=experts)
+    method = quantize_fp8_blocks(model) if blocks else quantize_fp8(model, experts=experts)
     params = {**best["params"], **({"experts_implementation": "triton_fused"} if experts else {})}
     v = warm_and_run(b, t, best["writer_threads"], model=model, **params)
     n = min(256, *(len(s) for s in t.samples[:2]))
@@ -209,7 +213,8 @@ def measure_fp8_weights(b: Bench, name: str, t: Target, best: dict) -> dict:
          "steady_over_reference": v["steady_tok_per_s"] / max(best["steady_tok_per_s"], 1e-9),
          "state_error": states_error(t.model, model, t.layers, b.dtype_name, ids,
                                      experts=params.get("experts_implementation", "auto"))}
-    print(f"[{name}] fp8 weights ({method}): {v['tok_per_s_wall']:.0f} tok/s wall ({r['wall_over_reference']:.2f}x), "
+    print(f"[{name}] fp8 {'blocks' if blocks else 'weights'} ({method}): {v['tok_per_s_wall']:.0f} tok/s wall "
+          f"({r['wall_over_reference']:.2f}x), "
           f"{v['steady_tok_per_s']:.0f} steady ({r['steady_over_reference']:.2f}x); warm-up incl. compile "
           f"{v['warmup_with_compile_s']:.0f} s", flush=True)
     for e in r["state_error"]:
@@ -245,7 +250,7 @@ def measure_model(b: Bench, name: str, n_tok: int, budget: int, chunk_mb: int, r
 
         real_path = str(ensure_smollm2())
     start = time.perf_counter()
-    model, model_path = build_model(name, b.device, b.dtype, real_path)
+    model, model_path = build_model(name, b.device, b.dtype, real_path, a.dsv3_layers)
     build_s, c = time.perf_counter() - start, model.config
     t = Target(model, model_path, make_samples(n_tok, a.min_len, a.max_len, c.vocab_size, seed=1),
                default_capture_layers(c.num_hidden_layers), budget, chunk_mb)
@@ -277,6 +282,8 @@ def measure_model(b: Bench, name: str, n_tok: int, budget: int, chunk_mb: int, r
                       for w, v in variants.items()}}
     if name in a.fp8_weights.split(","):
         r["fp8_weights"] = measure_fp8_weights(b, name, t, best)
+    if name in a.fp8_blocks.split(","):
+        r["fp8_blocks"] = measure_fp8_weights(b, name, t, best, blocks=True)
     if a.rounds:
         r["interleaved"] = measure_rounds(b, t, best, res["disk_bytes_per_s"], bpt)
     if sustained:
@@ -303,7 +310,7 @@ def measure_model(b: Bench, name: str, n_tok: int, budget: int, chunk_mb: int, r
           flush=True)
 
 
-def parse_args(argv=None) -> argparse.Namespace:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="135m,1b,8b")
     ap.add_argument("--tokens", default="3e6,1e6,6e5", help="tokens extracted per model (comma list)")
@@ -327,6 +334,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--fp8", default="", help="models also measured with fp8 *storage* (comma list)")
     ap.add_argument("--fp8-weights", default="", help="models also measured quantized to FP8 on load, through the "
                     "fastest variant: rate and state error against it (comma list; GPU: torchao, CPU: simulated)")
+    ap.add_argument("--fp8-blocks", default="", help="models also measured in DeepSeek-V3's FP8 checkpoint layout "
+                    "(decoder linears and routed experts in float8 128 x 128 blocks, the project's kernels), through "
+                    "the fastest variant: rate and state error against it (comma list)")
+    ap.add_argument("--dsv3-layers", type=int, default=None, help="decoder layers of the dsv3 shape (default: as "
+                    "many as fit the GPU; --fp8-weights/--fp8-blocks hold a second copy, so 5 = 3 dense + 2 MoE)")
     ap.add_argument("--compile", default="", help="models also measured with compile=True (comma list); the "
                     "compiled run gets its own warm-up (compilation) first")
     ap.add_argument("--fused", default="", help="models also measured with backend='fused-llama', compiled "
@@ -355,7 +367,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                     "profiled: its rate, the GPU's busy share, kernel time by kind (bench/extract_profile.py)")
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny shapes, every option but compilation")
     ap.add_argument("--out", default=None)
-    args = ap.parse_args(argv)
+    return ap
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    args = parser().parse_args(argv)
     if args.smoke:
         vars(args).update(SMOKE)
     return args

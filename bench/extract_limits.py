@@ -87,13 +87,14 @@ def sync(device) -> None:
 
 # -- targets ----------------------------------------------------------------------------------
 
-def build_model(name: str, device, dtype, real_path: str | None):
+def build_model(name: str, device, dtype, real_path: str | None, dsv3_layers: int | None = None):
     """(model, model_path): the real SmolLM2 from its HF folder, or a random-weight shape (seed 0: a second call
-    builds the same weights): Llama (SHAPES) or MoE (bench/extract_moe.py)."""
+    builds the same weights): Llama (SHAPES) or MoE (bench/extract_moe.py; dsv3 at `dsv3_layers` layers, or as
+    many as fit)."""
     from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
     if name in MOE_SHAPES:
-        return build_moe_model(name, device, dtype)
+        return build_moe_model(name, device, dtype, dsv3_layers)
     if name == "real":
         model = AutoModelForCausalLM.from_pretrained(real_path, dtype=dtype).to(device).eval()
         return model, str(real_path)
@@ -151,6 +152,24 @@ def quantize_fp8(model, experts: bool = False) -> str:
             quantize_experts(module)
         return method + "; routed experts float8 in 128 x 128 blocks, run in FP8 by triton_fused"
     return method + _EXPERTS_NOTE * bool(routed)
+
+
+def quantize_fp8_blocks(model) -> str:
+    """FP8 on load in DeepSeek-V3's FP8 checkpoint layout, in place: every decoder linear whose in_features is whole
+    blocks as transformers' FP8Linear, and the routed experts, in float8 with a float32 scale per 128 x 128 block,
+    run by the project's kernels (extract fp8_linear='triton', experts_implementation='triton_fused'; no torchao,
+    no hub kernel). The path the reference job's real target takes; on the CPU the kernels run interpreted."""
+    from eagle3.extract.fp8_linear import quantize_linears
+    from eagle3.extract.fused_moe import quantize_experts
+    from eagle3.extract.moe import experts_modules
+
+    linears = quantize_linears(model)
+    routed = experts_modules(model) if fp8_experts_fit(model) else []
+    for module in routed:
+        quantize_experts(module)
+    return (f"float8 128 x 128 blocks (DeepSeek-V3's FP8 checkpoint layout): {linears} decoder linears through "
+            f"fp8_linear='triton'" + (", routed experts through triton_fused" if routed else "")
+            + _EXPERTS_NOTE * bool(experts_modules(model) and not routed))
 
 
 def fp8_experts_fit(model) -> bool:

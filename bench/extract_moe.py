@@ -67,22 +67,23 @@ def dsv3_layers(device_bytes: int, reserve: int = RESERVE_BYTES) -> int:
     return n
 
 
-def moe_config(name: str, device) -> object:
+def moe_config(name: str, device, layers: int | None = None) -> object:
+    """The transformers config of a MoE shape; dsv3 gets `layers` decoder layers, or as many as fit the device."""
     import transformers
 
     cls_name, fields = MOE_SHAPES[name]
     fields = dict(fields)
     if name == "dsv3":
         mem = torch.cuda.mem_get_info(device)[1] if torch.device(device).type == "cuda" else H200_BYTES
-        fields["num_hidden_layers"] = dsv3_layers(mem)
+        fields["num_hidden_layers"] = layers or dsv3_layers(mem)
     return getattr(transformers, cls_name)(**fields, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2)
 
 
-def build_moe_model(name: str, device, dtype):
+def build_moe_model(name: str, device, dtype, layers: int | None = None):
     """(model, model_path) of a random-weight MoE shape built on `device` (seed 0: rebuilt identically)."""
     from transformers import AutoModelForCausalLM
 
-    cfg = moe_config(name, device)
+    cfg = moe_config(name, device, layers)
     torch.manual_seed(0)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)

@@ -110,8 +110,11 @@ def model_info(model_path: str | os.PathLike) -> ModelInfo:
 
 
 def default_capture_layers(num_layers: int) -> list[int]:
-    """EAGLE-3's low/mid/high features as HF hidden_states indices: [2, L//2, L-3]."""
-    return [2, num_layers // 2, num_layers - 3]
+    """EAGLE-3's low/mid/high features as HF hidden_states indices: [2, L//2, L-3]. Below 7 layers those collide
+    ([2, 2, 2] at 5), so a shallow target gets the lowest, middle and highest of 1..L-1 instead."""
+    if num_layers >= 7:
+        return [2, num_layers // 2, num_layers - 3]
+    return sorted({1, num_layers // 2, num_layers - 1})
 
 
 def resolve_capture_layers(layers: list[int] | None, info: ModelInfo) -> list[int]:

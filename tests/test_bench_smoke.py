@@ -48,6 +48,11 @@ def test_extract_bench_smoke_measures_every_option_on_the_cpu(tmp_path):
     assert "routed experts float8 in 128 x 128 blocks" in moe_fp8["method"]
     assert moe_fp8["extractor"]["tokens"] == models["tiny-moe"]["tokens"]
     assert all(0 < e["rel_l2"] < 0.5 and e["cosine_mean"] > 0.9 for e in moe_fp8["state_error"])
+    blocks = models["tiny-moe"]["fp8_blocks"]  # DeepSeek-V3's FP8 checkpoint layout: every linear and the experts
+    assert blocks["method"].startswith("float8 128 x 128 blocks") and "32 decoder linears" in blocks["method"]
+    assert "routed experts through triton_fused" in blocks["method"]
+    assert blocks["extractor"]["tokens"] == models["tiny-moe"]["tokens"]
+    assert all(0 < e["rel_l2"] < 0.5 and e["cosine_mean"] > 0.9 for e in blocks["state_error"])
 
 
 def test_train_bench_speed_runs_a_tiny_drafter_on_the_cpu(tmp_path):

@@ -15,7 +15,6 @@ import io
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from unittest import mock
 
 import pytest
 
@@ -28,9 +27,6 @@ ASSIGNMENT = re.compile(r"\b([A-Za-z_]\w*)=\"((?:python3?\s+)?bench/[^\"]*)\"")
 # what the shell would put in place of a variable; others stay as written (argparse then sees `$X`)
 VARIABLES = {"OUT": "/tmp/out", "PWD": "/repo"}
 ELIDED = "..."  # `python3 bench/extract_bench.py ... --out $OUT/extract.json`: the doc leaves flags out
-# Scripts whose parser is built inside a function that also parses, and which this test may not edit: the parser is
-# caught at that function's parse_args call. Once a script exposes `parser()`, drop it here (a test says so).
-CAUGHT_PARSERS = {"extract_bench": "parse_args"}
 
 
 @dataclass
@@ -137,30 +133,10 @@ def invocations(text: str) -> list[Invocation]:
 # ---- the scripts' parsers
 
 
-class _Caught(Exception):
-    def __init__(self, parser: argparse.ArgumentParser):
-        super().__init__()
-        self.parser = parser
-
-
-def _caught(fn) -> argparse.ArgumentParser:
-    def grab(self, *args, **kwargs):
-        raise _Caught(self)
-
-    with mock.patch.object(argparse.ArgumentParser, "parse_args", grab):
-        try:
-            fn([])
-        except _Caught as c:
-            return c.parser
-    raise AssertionError(f"{fn.__module__}.{fn.__name__} built no ArgumentParser")
-
-
 def parser_of(script: str) -> argparse.ArgumentParser:
     module = importlib.import_module(f"bench.{script}")
     if hasattr(module, "parser"):
         return module.parser()
-    if script in CAUGHT_PARSERS:
-        return _caught(getattr(module, CAUGHT_PARSERS[script]))
     raise AssertionError(f"bench/{script}.py exposes no parser() (def parser() -> argparse.ArgumentParser)")
 
 
@@ -204,7 +180,7 @@ def value_problems(script: str, args: argparse.Namespace) -> list[str]:
 
         models = args.models.split(",")
         found += [f"--models: unknown model {m!r}" for m in models if m not in DEFAULT_BUDGET]
-        for flag in ("compile", "fused", "fp8", "fp8_weights", "variant_models"):
+        for flag in ("compile", "fused", "fp8", "fp8_weights", "fp8_blocks", "variant_models"):
             found += [f"--{flag.replace('_', '-')}: {m!r} is not in --models (it would not run)"
                       for m in filter(None, getattr(args, flag).split(",")) if m not in models]
         if args.variants:
@@ -288,12 +264,6 @@ def test_the_doc_still_stages_the_scripts_this_test_reads():
     via_b = [inv for inv in found if inv.script == "extract_bench" and "--profile-batches" in inv.argv]
     assert len(via_b) == 2 and all(inv.argv[:2] == ["--writers", "6"] for inv in via_b)  # $B expanded (calls 1, 2)
     assert sum(inv.script == "extract_bench" for inv in found) >= 8
-
-
-def test_caught_parsers_are_still_needed():
-    for script in CAUGHT_PARSERS:
-        module = importlib.import_module(f"bench.{script}")
-        assert not hasattr(module, "parser"), f"bench/{script}.py exposes parser(): drop it from CAUGHT_PARSERS"
 
 
 def test_a_misspelt_flag_in_a_copy_of_the_doc_is_reported():

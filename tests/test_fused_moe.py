@@ -11,6 +11,7 @@ pytest.importorskip("triton")
 
 from eagle3.errors import ConfigError  # noqa: E402
 from eagle3.extract import fused_moe  # noqa: E402
+from tests.support.fp8 import dequantize, quantize_groups  # noqa: E402
 
 E, H, WIDTH, TOP_K = 6, 64, 48, 2
 
@@ -85,6 +86,22 @@ def dequantized(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [0, 1, 37, 1500])
+def test_the_quantize_kernel_writes_the_bytes_of_the_activation_scheme(rows, dtype):
+    """The one-pass Triton kernel's float8 values and scales are those of the scheme's definition in torch's ops,
+    bit for bit: rows off and over the program's block (1,024 on the CPU), a zero group, a group at e4m3's edge."""
+    g = torch.Generator().manual_seed(rows)
+    x = (torch.randn(rows, 384, generator=g) * torch.logspace(-3, 3, 384)).to(dtype)
+    if rows > 1:
+        x[1, 128:256] = 0  # amax 0: scale at its floor, values 0
+        x[0, :128] = 448.0
+    q, scale = fused_moe.quantize_groups(x)
+    want_q, want_scale = quantize_groups(x)
+    assert q.dtype == torch.float8_e4m3fn and q.shape == x.shape and scale.shape == (rows, 3)
+    assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(scale, want_scale)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fp8_block_weights_equal_the_sum_over_pairs_of_the_quantized_values(dtype):
     """An FP8 checkpoint's experts (128 x 128 weight blocks; activations quantized per token and 128 values, as
     they come): the kernels' result is the definition over the dequantized weights and quantized inputs."""
@@ -98,8 +115,7 @@ def test_fp8_block_weights_equal_the_sum_over_pairs_of_the_quantized_values(dtyp
     got = fused_moe.fused_experts(x, idx, weights, w1, w2, s1, s2)
 
     def quantized(v):  # the activation scheme, on values already in the run's dtype
-        q, scale = fused_moe.quantize_groups(v)
-        return q.double() * scale.double().repeat_interleave(128, 1)
+        return dequantize(*quantize_groups(v))
 
     xq, d1, d2 = quantized(x), dequantized(w1, s1), dequantized(w2, s2)
     want = torch.zeros(tokens, hidden, dtype=torch.float64)
@@ -201,3 +217,25 @@ def test_every_autotune_config_compiles_for_hopper_and_pipelines_into_wgmma(fp8,
             assert compiled.metadata.shared <= HOPPER_SHARED_BYTES, where
             assert "async_copy_global_to_local" in ir and "warp_group_dot" in ir, where
             assert ("f8E4M3FN" in ir) == fp8, where
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_the_quantize_kernel_compiles_for_hopper_into_one_pass_of_wide_loads(dtype):
+    """The activation quantization as it launches on sm_90: it compiles, loads and stores in 128-bit vectors (one
+    read of x), divides as IEEE does and converts to float8 with the hardware's instruction."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, compile
+
+    from eagle3.extract import fused_moe_kernels as kernels
+
+    fn, block_r = kernels.QUANTIZE["cuda"]
+    types = {"x_ptr": f"*{dtype}", "q_ptr": "*fp8e4nv", "scale_ptr": "*fp32"}
+    constants = {"BLOCK_R": block_r, "GROUP": 128}
+    signature = {a: types.get(a, "constexpr" if a in constants else "i32") for a in fn.arg_names}
+    attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in fn.arg_names
+             if a.endswith("_ptr") or a.startswith("stride") or a == "K"}
+    source = ASTSource(fn=fn, signature=signature, attrs=attrs,
+                       constexprs={(fn.arg_names.index(k),): v for k, v in constants.items()})
+    ptx = compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]
+    assert "ld.global.v4" in ptx and "cvt.rn.satfinite.e4m3x2.f32" in ptx
+    assert "div.rn.f32" in ptx and "div.full" not in ptx  # x / scale exactly, as torch divides

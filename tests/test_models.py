@@ -31,6 +31,15 @@ def test_model_info_reads_smollm2_config(smollm2_path):
     assert default_capture_layers(info.num_layers) == [2, 15, 27]
 
 
+def test_default_capture_layers_are_distinct_and_ascending_at_every_depth():
+    """[2, L//2, L-3] collides below 7 layers ([2, 2, 2] at 5: refused as duplicates by the resolver)."""
+    assert default_capture_layers(7) == [2, 3, 4]
+    assert [default_capture_layers(n) for n in (3, 4, 5, 6)] == [[1, 2], [1, 2, 3], [1, 2, 4], [1, 3, 5]]
+    for n in range(3, 80):
+        layers = default_capture_layers(n)
+        assert layers == sorted(set(layers)) and 1 <= layers[0] and layers[-1] <= n - 1 and len(layers) >= 2
+
+
 def test_greedy_reply_from_converted_model(smollm2_model, smollm2_tokenizer):
     reply = greedy_reply(smollm2_model, smollm2_tokenizer, SANITY_PROMPT)
     assert "Paris" in reply

@@ -10,22 +10,20 @@ import sys
 import textwrap
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
 from eagle3.errors import ConfigError
 from eagle3.extract import moe
-from eagle3.extract.config import COMPILE_SCOPES, EXPERTS_CHOICES, ExtractConfig, ShardPlanConfig
+from eagle3.extract.config import COMPILE_SCOPES, EXPERTS_CHOICES, ExtractConfig
 from eagle3.extract.format import ShardManifest
-from eagle3.extract.plan import plan_shards
 from eagle3.extract.reader import HiddenStateReader
 from eagle3.extract.run import extract_shard
 from eagle3.faults import ENV_VAR as FAULT_ENV, InjectedFault
 from eagle3.flops import active_linear_params, attention_dims, routed_expert_params, sample_flops, target_class
 from tests.support.configs import phase
 from tests.support.reference import reference_states
-from tests.support.synthetic import write_merged_dataset
+from tests.support.synthetic import one_shard_of_random_samples
 from tests.support.tiny_targets import _COMMON, CAPTURE, TARGETS, build_tiny_target
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -99,11 +97,7 @@ def targets(tmp_path_factory, smollm2_path):
 
 @pytest.fixture(scope="module")
 def merged(tmp_path_factory):
-    rng = np.random.default_rng(0)
-    samples = [rng.integers(3, 49152, n).tolist() for n in LENGTHS]
-    d = tmp_path_factory.mktemp("merge")
-    write_merged_dataset(d, samples, rows_per_file=4)
-    return plan_shards(ShardPlanConfig(str(d), 1))[0], samples
+    return one_shard_of_random_samples(tmp_path_factory.mktemp("merge"), LENGTHS, rows_per_file=4)
 
 
 def run(target, out, spec, **kw):
@@ -288,14 +282,15 @@ def test_max_autotune_compiled_moe_states_equal_output_hidden_states(targets, me
 
 
 def test_shard_from_before_the_added_state_params_resumes_with_their_old_values(targets, merged, tmp_path):
-    """A shard cut mid-way whose manifest records neither experts_implementation nor compile_mode (written before
-    they existed) resumes with auto and default, byte-identical; another value is refused, naming the param."""
+    """A shard cut mid-way whose manifest records none of experts_implementation, compile_mode and fp8_linear
+    (written before they existed) resumes with auto, default and auto, byte-identical; another value is refused,
+    naming the param."""
     spec, _ = merged
     whole = run(targets["qwen3_moe"], tmp_path / "whole", spec)
     cut = run(targets["qwen3_moe"], tmp_path / "cut", spec)
     shard_dir = Path(cut["shard_dir"])
     m = ShardManifest.load(shard_dir)
-    for name in ("experts_implementation", "compile_mode"):
+    for name in ("experts_implementation", "compile_mode", "fp8_linear"):
         del m.params["states"][name]
     for c in m.chunks[2:]:
         (shard_dir / c.file).unlink()

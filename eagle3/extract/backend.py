@@ -17,7 +17,7 @@ from typing import Protocol
 import torch
 
 from eagle3.errors import ConfigError
-from eagle3.extract import moe
+from eagle3.extract import fp8_linear, moe
 from eagle3.extract.attention import apply_attention
 from eagle3.models import ModelInfo, model_info
 
@@ -172,9 +172,10 @@ class HFBackend:
 
     def __init__(self, model=None, info: ModelInfo | None = None, compile: bool = False, attention: str = "auto",
                  tp_plan: str | None = None, experts: str = "auto", compile_scope: str = "auto",
-                 compile_mode: str = "default"):
+                 compile_mode: str = "default", fp8_linear: str = "auto"):
         self.model = model  # a preloaded *ForCausalLM (the benchmark builds random-weight ones)
         self.experts, self.compile_scope = experts, compile_scope  # eagle3.extract.moe
+        self.fp8_linear = fp8_linear  # an FP8 checkpoint's linears (eagle3.extract.fp8_linear)
         self.resolved: dict = {}
         self.tp_plan = tp_plan
         self.info = info
@@ -190,6 +191,7 @@ class HFBackend:
         load_decoder(self, model_path, dtype, device, capture_layers, tp_plan=self.tp_plan)
         self.resolved = moe.resolve(self.model, self.experts, self.compile_scope)
         moe.apply_experts_implementation(self.model, self.resolved["experts_implementation"])
+        self.resolved["fp8_linear"] = fp8_linear.apply(self.model, self.fp8_linear)
         # flash on MLA (v heads narrower than q/k): v zero-padded (eagle3.extract.attention)
         self.attn_implementation = apply_attention(self.model, self.attention)
         layers = self.base.layers

@@ -29,10 +29,12 @@ ATTENTION_CHOICES = ("auto", "flash", "cudnn", "efficient", "math")
 EXPERTS_CHOICES = ("auto", "eager", "batched_mm", "grouped_mm", "triton_fused")
 COMPILE_SCOPES = ("auto", "layers", "moe-blocks")
 COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")  # eagle3.extract.backend's (a test holds them equal)
+FP8_LINEAR_CHOICES = ("auto", "transformers", "triton")  # eagle3.extract.fp8_linear's (a test holds them equal)
 STATE_PARAMS = ("model_path", "capture_layers", "dtype", "storage_dtype", "backend", "attention",
-                "experts_implementation", "compile_mode")
-# state params added after shards were extracted without them: what those shards ran with
-ADDED_STATE_PARAMS = {"experts_implementation": "auto", "compile_mode": "default"}
+                "experts_implementation", "compile_mode", "fp8_linear")
+# state params added after shards were extracted without them: what those shards ran with (an FP8 checkpoint's
+# linears ran transformers' hub kernels before fp8_linear; a shard of one that resumes offline needs "auto" anyway)
+ADDED_STATE_PARAMS = {"experts_implementation": "auto", "compile_mode": "default", "fp8_linear": "auto"}
 PLAN_PARAMS = ("token_budget", "chunk_mb", "pad_multiple")
 # a number or "auto", resolved where the task runs (eagle3.extract.extractor.resolve_for_device)
 DEVICE_AUTO_PARAMS = PLAN_PARAMS
@@ -66,8 +68,8 @@ class ExtractConfig:
     writer_threads: int = knob(6, min=1, max=64, help="Chunks written at once (while one fsyncs, others write).")
     verify_existing: bool = knob(False, help="Re-hash committed chunks on a resume or a finished re-run.")
     log_every_s: float = knob(10.0, gt=0, help="Seconds between progress lines (one is logged at every commit too).")
-    memory_headroom: float = knob(0.9, gt=0, max=1,
-                                  help="The largest planned batch's estimated memory must fit this fraction of the free memory.")
+    memory_headroom: float = knob(0.9, gt=0, max=1, help="The largest planned batch's estimated memory must fit "
+                                                         "this fraction of the free memory.")
     # auto = on a GPU (1.3-1.5x on the H200, docs/benchmarks.md; the first batch pays 13-25 s of compilation)
     compile: bool | str = knob("auto", help="torch.compile each decoder layer: true, false or auto (on on a GPU).")
     backend: str = knob("hf", choices=BACKEND_CHOICES, param="extract_backend", section=SECTION,
@@ -89,6 +91,11 @@ class ExtractConfig:
                              help="torch.compile's mode: default, or max-autotune-no-cudagraphs (Inductor times its "
                                   "Triton GEMM templates, on Hopper a TMA grouped GEMM for MoE experts, against "
                                   "cuBLAS and aten's _grouped_mm, shape by shape; longer compiles).")
+    # a state param: the two kernels quantize the activations alike but sum in another order
+    fp8_linear: str = knob("auto", choices=FP8_LINEAR_CHOICES,
+                           help="FP8 checkpoints (128 x 128 blocks, as DeepSeek-V3 ships): the linears' kernel. "
+                                "triton: the project's (eagle3.extract.fp8_linear, no hub); transformers: its "
+                                "finegrained-fp8 or DeepGEMM kernels, fetched from the hub; auto = triton.")
     compile_cache_dir: str = knob("auto", help="torch's compile caches, shared by the shard tasks of a worker: auto "
                                                "= $EAGLE3_COMPILE_CACHE or ~/.cache/eagle3/compile/<host>; off = "
                                                "torch's default; else a folder (eagle3.extract.compile_cache).")

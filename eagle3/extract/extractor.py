@@ -48,8 +48,10 @@ BACKENDS = {"hf": HFBackend, "fused-llama": FusedLlamaBackend}
 
 
 def backend_options(cfg: ExtractConfig) -> dict:
-    """The ExtractConfig values a backend of `cfg.backend` is built with (the MoE options are the hf backend's)."""
-    moe = {"experts": cfg.experts_implementation, "compile_scope": cfg.compile_scope} if cfg.backend == "hf" else {}
+    """The ExtractConfig values a backend of `cfg.backend` is built with (the MoE and FP8 options are the hf
+    backend's)."""
+    moe = ({"experts": cfg.experts_implementation, "compile_scope": cfg.compile_scope, "fp8_linear": cfg.fp8_linear}
+           if cfg.backend == "hf" else {})
     return {"compile": cfg.compile, "attention": cfg.attention, "compile_mode": cfg.compile_mode, **moe}
 
 

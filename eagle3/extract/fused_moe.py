@@ -44,11 +44,19 @@ def kernels(device: torch.device, fp8: bool = False):
 
 def quantize_groups(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(x_q float8_e4m3fn [R, K], scale float32 [R, K / 128]): each row's groups of FP8_BLOCK values scaled by
-    amax / 448, the dynamic activation scheme of DeepSeek-V3's FP8 checkpoint (transformers' act_quant)."""
-    r, k = x.shape
-    groups = x.float().view(r, k // FP8_BLOCK, FP8_BLOCK)
-    scale = groups.abs().amax(-1).clamp_min(1e-12) / FP8_MAX
-    return (groups / scale[..., None]).to(torch.float8_e4m3fn).view(r, k), scale
+    amax / 448, the dynamic activation scheme of DeepSeek-V3's FP8 checkpoint (transformers' act_quant). One Triton
+    kernel (fused_moe_kernels.quantize_kernel), interpreted on the CPU."""
+    from eagle3.extract.fused_moe_kernels import QUANTIZE
+
+    x = x.contiguous()
+    (r, k), device = x.shape, x.device
+    kernel, block_r = QUANTIZE["cuda" if device.type == "cuda" else "cpu"]
+    q = torch.empty(r, k, dtype=torch.float8_e4m3fn, device=device)
+    scale = torch.empty(r, k // FP8_BLOCK, dtype=torch.float32, device=device)
+    if r:
+        kernel[(-(-r // block_r), k // FP8_BLOCK)](x, q, scale, r, k, x.stride(0), q.stride(0), scale.stride(0),
+                                                   BLOCK_R=block_r, GROUP=FP8_BLOCK)
+    return q, scale
 
 
 def block_m_for(num_pairs: int, num_experts: int, device: torch.device) -> int:
@@ -82,9 +90,13 @@ def quantize_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(w_q float8_e4m3fn [E, out, in], scale float32 [E, out / 128, in / 128]) with w ~ w_q * scale per 128 x 128
     block: the layout of DeepSeek-V3's FP8 checkpoint, which the kernels read."""
     e, o, i = w.shape
-    blocks = w.float().view(e, o // FP8_BLOCK, FP8_BLOCK, i // FP8_BLOCK, FP8_BLOCK)
-    scale = blocks.abs().amax(dim=(2, 4)).clamp_min(1e-12) / FP8_MAX
-    return (blocks / scale[:, :, None, :, None]).to(torch.float8_e4m3fn).view(e, o, i), scale
+    q = torch.empty(e, o, i, dtype=torch.float8_e4m3fn, device=w.device)
+    scale = torch.empty(e, o // FP8_BLOCK, i // FP8_BLOCK, dtype=torch.float32, device=w.device)
+    for j in range(e):  # one at a time: float32 copies of a whole experts tensor (30 GB at DeepSeek-V3) would not fit
+        blocks = w[j].float().view(o // FP8_BLOCK, FP8_BLOCK, i // FP8_BLOCK, FP8_BLOCK)
+        scale[j] = blocks.abs().amax(dim=(1, 3)).clamp_min(1e-12) / FP8_MAX
+        q[j] = (blocks / scale[j][:, None, :, None]).to(torch.float8_e4m3fn).view(o, i)
+    return q, scale
 
 
 def quantize_experts(module) -> None:

@@ -108,6 +108,34 @@ def down_kernel(h_ptr, w_ptr, out_ptr, pairs_ptr, block_expert_ptr, weights_ptr,
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=live[:, None] & col_ok[None, :])
 
 
+def quantize_kernel(x_ptr, q_ptr, scale_ptr, R, K, stride_x, stride_q, stride_s, BLOCK_R: tl.constexpr,
+                    GROUP: tl.constexpr):
+    """q[r, k] = x[r, k] / scale[r, k // GROUP] in float8, scale = amax of the row's group / 448 (at least 1e-12 /
+    448): one read of x, where torch's ops pass over float32 copies of it five times. Program (r, g) does BLOCK_R
+    rows of group g."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    group = tl.program_id(1)
+    cols = group * GROUP + tl.arange(0, GROUP)
+    ok = rows < R
+    rows = rows.to(tl.int64)
+    x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
+    # tl.max spelt as the reduction it calls: the interpreter maps this combine function to numpy's max
+    amax = tl.reduce(tl.abs(x), 1, tl.standard._elementwise_max)
+    # IEEE division, as torch's (Triton's "/" is the approximate one on a GPU)
+    scale = tl.div_rn(tl.maximum(amax, 1e-12), tl.full((BLOCK_R,), 448.0, tl.float32))
+    v = tl.div_rn(x, scale[:, None])
+    # rounded to e4m3's grid (3 mantissa bits, subnormal below 2^-6) to the nearest even here, so the cast is exact:
+    # Triton 3.9's interpreter rounds float32 -> float8 wrongly where rounding up reaches the next power of two
+    # (7.92 -> 4), and torch rounds to the nearest even
+    exponent = tl.maximum(((v.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, -6)
+    step = ((exponent - 3 + 127) << 23).to(tl.float32, bitcast=True)  # 2^(exponent - 3)
+    per_step = ((3 - exponent + 127) << 23).to(tl.float32, bitcast=True)  # its inverse, exactly
+    rounded = ((tl.abs(v) * per_step + 12582912.0) - 12582912.0) * step  # + 1.5 x 2^23: to an integer, to the even
+    v = tl.where(v < 0, -rounded, rounded)  # (-0 where a small negative value rounds to 0, as torch's cast)
+    tl.store(q_ptr + rows[:, None] * stride_q + cols[None, :], v.to(q_ptr.dtype.element_ty), mask=ok[:, None])
+    tl.store(scale_ptr + rows * stride_s + group, scale, mask=ok)
+
+
 # (BLOCK_N, BLOCK_K, num_stages, num_warps) the autotuner tries per (N, K, BLOCK_M). gate_up holds two accumulators
 # and two weight tiles a stage, so its column tiles are the narrower. Each fits Hopper's 227 KiB of shared memory at
 # BLOCK_M 128 (tests/test_fused_moe.py compiles every one for sm_90 and checks it pipelines into wgmma).
@@ -132,4 +160,6 @@ def autotuned(fn, kernel: str):
 GPU = {False: (autotuned(gate_up_kernel, "gate_up"), autotuned(down_kernel, "down")),
        True: (autotuned(gate_up_kernel, "gate_up_fp8"), autotuned(down_kernel, "down_fp8"))}  # by FP8
 CPU = (InterpretedFunction(gate_up_kernel), InterpretedFunction(down_kernel))
+# (kernel, rows a program): on the CPU few programs (the interpreter's time goes by programs)
+QUANTIZE = {"cuda": (triton.jit(quantize_kernel), 32), "cpu": (InterpretedFunction(quantize_kernel), 1024)}
 CPU_TILES = {"BLOCK_N": 128, "BLOCK_K": 128}  # the interpreter: no autotuning; few programs, each a numpy call

@@ -10,6 +10,8 @@ compares side by side on the device (docs/device-runs.md); the winner replaces t
 
 from __future__ import annotations
 
+import torch
+
 from eagle3.errors import ConfigError
 from eagle3.extract import fused_moe
 from eagle3.flops import target_class
@@ -34,13 +36,18 @@ def model_class(model) -> str:
 
 
 def resolve(model, experts: str, compile_scope: str) -> dict:
-    """The class of `model` and the values its "auto"s take: {"class", "experts_implementation", "compile_scope"}."""
+    """The class of `model` and the values its "auto"s take: {"class", "experts_implementation", "compile_scope"}.
+    Experts in float8 (an FP8 checkpoint's) take the fused kernels, which read them without a hub kernel."""
     cls = model_class(model)
     d = CLASS_DEFAULTS[cls]
     if experts != "auto" and d["experts_implementation"] is None:
         raise ConfigError(f"extract param experts_implementation={experts!r}: the target is {cls}, it has no routed "
                           f"experts; use 'auto'")
-    return {"class": cls, "experts_implementation": d["experts_implementation"] if experts == "auto" else experts,
+    auto = d["experts_implementation"]
+    if auto and any(getattr(getattr(m, "gate_up_proj", None), "dtype", None) == torch.float8_e4m3fn
+                for m in experts_modules(model)):
+        auto = fused_moe.NAME  # FP8 experts: transformers' FP8 kernels come from the hub, the project's do not
+    return {"class": cls, "experts_implementation": auto if experts == "auto" else experts,
             "compile_scope": d["compile_scope"] if compile_scope == "auto" else compile_scope}
 
 

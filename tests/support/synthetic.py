@@ -41,3 +41,18 @@ def write_merged_dataset(merge_dir: str | Path, samples: list[list[int]], rows_p
     manifest = manifest_record(files, seed, params)
     atomic_write_json(merge_dir / STATS_NAME, {"rows": manifest["rows"], "tokens": manifest["tokens"]})
     return PhaseOutput(merge_dir, fingerprint([files, params])).commit(manifest)
+
+
+def one_shard_of_random_samples(merge_dir: str | Path, lengths: list[int], rows_per_file: int, vocab: int = 49152,
+                                seed: int = 0) -> tuple:
+    """(the ShardSpec of one shard over all of them, the samples): random token ids of `lengths`, written as a
+    merged dataset."""
+    import numpy as np
+
+    from eagle3.extract.config import ShardPlanConfig
+    from eagle3.extract.plan import plan_shards
+
+    rng = np.random.default_rng(seed)
+    samples = [rng.integers(3, vocab, n).tolist() for n in lengths]
+    write_merged_dataset(merge_dir, samples, rows_per_file=rows_per_file)
+    return plan_shards(ShardPlanConfig(str(merge_dir), 1))[0], samples

@@ -1,0 +1,141 @@
+"""An FP8 checkpoint's linears without the hub's kernels: fp8_linear="triton".
+
+DeepSeek-V3 ships its weights in float8 e4m3 with a float32 scale per 128 x 128 block; transformers loads every
+decoder linear as `FP8Linear`, whose forward fetches the `finegrained-fp8` Triton kernels (or DeepGEMM) from the
+hub. Where no hub is reachable (the project's GPU workers) that forward fails, so the reference job's target could
+not be extracted as shipped (bf16, 1.3 TB, does not fit 8 H200s). Here each such linear runs through the down
+kernel of eagle3.extract.fused_moe: a linear is the one-expert case of that GEMM (every row its own pair, in
+order, weight 1), so it shares its FP8 path (the input quantized per token and 128 values, amax / 448, as the
+checkpoint's dynamic activation scheme; the scales applied per K block), its autotuning and its tests.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from eagle3.errors import ConfigError
+from eagle3.extract.fused_moe import FP8_BLOCK, block_m_for, kernels, quantize_blocks, quantize_groups
+
+NAME = "triton"
+CHOICES = ("auto", "transformers", NAME)  # auto = NAME: the path that needs no hub
+PARAM = "extract param fp8_linear"
+
+
+@torch.library.custom_op("eagle3::fp8_block_linear", mutates_args=())
+def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x [..., K] @ (weight * scale).T: weight float8 e4m3 [N, K], scale float32 [ceil(N / 128), K / 128]; the
+    GEMM runs in FP8, x quantized per token and 128 values first (`quantize_groups`)."""
+    shape, (n, k) = x.shape, weight.shape
+    x2 = x.reshape(-1, k)
+    t = x2.shape[0]
+    block_m = block_m_for(t, 1, x.device)
+    capacity = -(-t // block_m) * block_m
+    rows = torch.arange(capacity, dtype=torch.int32, device=x.device).clamp_(max=t)  # t: the padding sentinel
+    one_expert = torch.zeros(capacity // block_m, dtype=torch.int32, device=x.device)
+    ones = torch.ones(t, dtype=torch.float32, device=x.device)
+    xq, xs = quantize_groups(x2)
+    _, down, tiles = kernels(x.device, fp8=True)
+    w, s = weight.contiguous(), scale.contiguous()
+    out = torch.empty(t, n, dtype=x.dtype, device=x.device)
+    down[lambda meta: (-(-n // meta["BLOCK_N"]), capacity // block_m)](
+        xq, w, out, rows, one_expert, ones, xs, s, t, 1, n, k,
+        xq.stride(0), 0, w.stride(0), out.stride(0), xs.stride(0), 0, s.stride(0),
+        BLOCK_M=block_m, UPCAST=x.device.type != "cuda", FP8=True, **tiles)
+    return out.view(*shape[:-1], n)
+
+
+@fp8_block_linear.register_fake
+def _(x, weight, scale):
+    return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+
+def fp8_linears(model) -> dict:
+    """{name: module} of transformers' FP8Linear modules holding float8 weights (an FP8 checkpoint's, or
+    `quantize_linears`')."""
+    from transformers.integrations.finegrained_fp8 import FP8Linear
+
+    return {name: m for name, m in model.named_modules()
+            if isinstance(m, FP8Linear) and m.weight.dtype == torch.float8_e4m3fn}
+
+
+def check_linear(name: str, module) -> None:
+    """The layout the kernel reads: 128 x 128 blocks with float32 scales, dynamic activations, whole K blocks."""
+    checks = {"128 x 128 weight blocks": tuple(module.block_size or ()) == (FP8_BLOCK, FP8_BLOCK),
+              "float32 scales (not ue8m0)": module.weight_scale_inv.dtype == torch.float32,
+              "dynamic activation scales": module.activation_scheme == "dynamic",
+              f"in_features a multiple of {FP8_BLOCK}": module.in_features % FP8_BLOCK == 0}
+    missing = [k for k, ok in checks.items() if not ok]
+    if missing:
+        raise ConfigError(f"{PARAM}={NAME!r}: {name} lacks what the kernel reads: {', '.join(missing)}; "
+                          f"use 'transformers' (its kernels come from the hub)")
+
+
+class TritonFP8Linear(torch.nn.Module):
+    """Mixed into an FP8Linear's class (`apply`): its forward runs `fp8_block_linear`."""
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        out = fp8_block_linear(input, self.weight, self.weight_scale_inv)
+        return out if self.bias is None else out + self.bias
+
+
+def apply(model, choice: str) -> str | None:
+    """Run the model's FP8 linears through `choice` ("auto" = NAME); None when it has none. Reversible: a model
+    set to NAME and then to "transformers" runs transformers' forward again."""
+    if choice not in CHOICES:
+        raise ConfigError(f"{PARAM}={choice!r}: use one of {list(CHOICES)}")
+    modules = fp8_linears(model)
+    if not modules:
+        return None
+    name = NAME if choice == "auto" else choice
+    if name == NAME:
+        for path, module in modules.items():
+            check_linear(path, module)
+        kernels(torch.device("cpu"), fp8=True)  # triton is there
+    for module in modules.values():
+        base = _transformers_class(module)
+        module.__class__ = _triton_class(base) if name == NAME else base
+    return name
+
+
+def _transformers_class(module) -> type:
+    cls = type(module)
+    return cls.__bases__[1] if issubclass(cls, TritonFP8Linear) else cls
+
+
+_CLASSES: dict[type, type] = {}
+
+
+def _triton_class(base: type) -> type:
+    if base not in _CLASSES:
+        _CLASSES[base] = type(f"Triton{base.__name__}", (TritonFP8Linear, base), {})
+    return _CLASSES[base]
+
+
+def quantize_linears(model) -> int:
+    """The decoder's linear weights to float8 in 128 x 128 blocks, in place, as FP8Linear modules: the layout
+    DeepSeek-V3's FP8 checkpoint loads as (FP8 on load of a bf16 target; for the benchmark and the tests). Linears
+    whose in_features is not whole blocks stay as they are. Returns how many were converted."""
+    from transformers.integrations.finegrained_fp8 import FP8Linear
+
+    converted = 0
+    for parent in list(model.get_decoder().layers.modules()):
+        for child_name, child in list(parent.named_children()):
+            if type(child) is not torch.nn.Linear or child.in_features % FP8_BLOCK:
+                continue
+            with torch.device("meta"):
+                fp8 = FP8Linear(child.in_features, child.out_features, block_size=(FP8_BLOCK, FP8_BLOCK),
+                                has_bias=child.bias is not None)
+            q, scale = quantize_blocks(_pad_rows(child.weight.detach())[None])
+            fp8.weight = torch.nn.Parameter(q[0, :child.out_features], requires_grad=False)
+            fp8.weight_scale_inv = torch.nn.Parameter(scale[0], requires_grad=False)
+            if child.bias is not None:
+                fp8.bias = torch.nn.Parameter(child.bias.detach(), requires_grad=False)
+            setattr(parent, child_name, fp8)
+            converted += 1
+    return converted
+
+
+def _pad_rows(w: torch.Tensor) -> torch.Tensor:
+    """w with zero rows up to whole blocks (a checkpoint's last row block may be partial, e.g. MLA's 576)."""
+    pad = -w.shape[0] % FP8_BLOCK
+    return torch.cat([w, w.new_zeros(pad, w.shape[1])]) if pad else w
