@@ -97,7 +97,7 @@ def test_retry_policy_is_the_failure_class_s():
 
     from eagle3.datagen.run import EmptyDatasetError, FailureBudgetExceeded
     from eagle3.errors import ConfigError
-    from eagle3.extract.extractor import ExtractOOMError
+    from eagle3.extract.memory import ExtractOOMError
     from eagle3.io import DiskFullError
     from eagle3.launch import RankFailed
     from eagle3.merge import BadInputError
