@@ -1,6 +1,7 @@
 """Extraction benchmark: the sharded extractor against the naive method and the machine's own limits.
 
-In ONE process on one device, side by side (bench/extract_limits.py holds the targets and the probes):
+In ONE process on one device, side by side (bench/extract_limits.py holds the targets and the probes,
+bench/extract_fp8.py FP8 on load):
   - the bf16 (CPU: the compute dtype) matmul rate -> the roofline in tokens/s (active FLOPs a token, eagle3.flops:
     linear weights a token passes through, MLA and routed experts counted, lm_head excluded, causal attention);
   - the fsynced disk write rate (1, 2 and as many writers as the extractor uses) -> the disk limit in tokens/s;
@@ -50,11 +51,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.extract_fp8 import (fp8_experts_fit, fp8_roofline, quantize_fp8, quantize_fp8_blocks,  # noqa: E402
+                               states_error)
 from bench.extract_limits import (DEFAULT_BUDGET, ChunkReaper, against_sustained, build_model,  # noqa: E402
-                                  disk_probe, empty_pinned_host_cache, fp8_experts_fit, interleaved_rounds,
-                                  limits_entry, machine_limits, make_samples, matmul_sustained,
-                                  model_flops_per_sample, print_summary, quantize_fp8, quantize_fp8_blocks,
-                                  states_error, sync)
+                                  disk_probe, empty_pinned_host_cache, interleaved_rounds, limits_entry,
+                                  machine_limits, make_samples, matmul_sustained, model_flops_per_sample,
+                                  print_summary, sync)
 from bench.extract_levers import measure_moe, measure_variants_side_by_side, parse_variants  # noqa: E402
 from bench.extract_moe import is_moe  # noqa: E402
 from bench.extract_profile import run_profile  # noqa: E402
@@ -219,6 +221,17 @@ def measure_fp8_weights(b: Bench, name: str, t: Target, best: dict, blocks: bool
           f"{v['warmup_with_compile_s']:.0f} s", flush=True)
     for e in r["state_error"]:
         print(f"  {e['layer']:>18}: rel L2 {e['rel_l2']:.4f}, cosine {e['cosine_mean']:.4f}", flush=True)
+    if blocks:  # against what FP8 GEMMs can do, not only against bf16
+        lengths, cuda = np.array([len(s) for s in t.samples]), b.device.type == "cuda"
+        roof = fp8_roofline(b.device, b.dtype, b.args.matmul_n or (8192 if cuda else 256),
+                            b.args.matmul_seconds or (4.0 if cuda else 0.3), model.config, int(lengths.sum()),
+                            model_flops_per_sample(model.config, lengths))
+        r["fp8_roofline"] = {**roof, "fraction_wall": v["tok_per_s_wall"] / roof["roofline_tok_per_s"],
+                             "fraction_steady": v["steady_tok_per_s"] / roof["roofline_tok_per_s"]}
+        print(f"[{name}] fp8 matmul {roof['fp8_matmul']['sustained'] / 1e12:.0f} TFLOP/s sustained "
+              f"({roof['fp8_over_dense']:.2f}x {b.dtype_name}): FP8 roofline {roof['roofline_tok_per_s']:.0f} tok/s "
+              f"-> {100 * r['fp8_roofline']['fraction_steady']:.0f}% steady, "
+              f"{100 * r['fp8_roofline']['fraction_wall']:.0f}% wall", flush=True)
     return r
 
 

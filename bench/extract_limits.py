@@ -1,5 +1,6 @@
 """What bench/extract_bench.py measures the extractor against: the targets it extracts from (random-weight Llama
-shapes, their FLOPs a token, FP8 on load) and the machine's limits (matmul rate, fsynced disk rate).
+shapes, their FLOPs a token; FP8 on load: bench/extract_fp8.py) and the machine's limits (matmul rate, fsynced
+disk rate).
 
 Roofline = matmul rate / model FLOPs a token; disk limit = disk rate / stored bytes a token.
 """
@@ -20,7 +21,6 @@ import numpy as np
 import torch
 
 from bench.extract_moe import MOE_BUDGET, MOE_SHAPES, build_moe_model
-from eagle3.extract.backend import HFBackend
 from eagle3.flops import sample_flops
 from eagle3.extract.format import _start_writeback
 
@@ -74,10 +74,6 @@ SHAPES = {
                  tie_word_embeddings=True),
 }
 DEFAULT_BUDGET = {"real": 65536, "135m": 65536, "1b": 65536, "8b": 32768, "tiny": 1024, **MOE_BUDGET}
-FP8_MAX = 448.0
-# torchao's config quantizes nn.Linear modules: attention, dense MLPs, shared experts; transformers keeps the routed
-# experts as 3D parameters run by grouped_mm, which it does not reach
-_EXPERTS_NOTE = "; routed experts (3D grouped weights) stay in the compute dtype"
 
 
 def sync(device) -> None:
@@ -122,109 +118,6 @@ def make_samples(n_tokens: int, lo: int, hi: int, vocab: int, seed: int) -> list
     return out
 
 
-def quantize_fp8(model, experts: bool = False) -> str:
-    """FP8 on load, in place. On a GPU: torchao's float8 dynamic activations with per-row e4m3 weights on the
-    decoder (the `fp8` extra; compute capability >= 8.9); the lm_head is never run. On the CPU, where those
-    kernels do not run: every decoder linear weight rounded to e4m3 with one scale per row, kept in the compute
-    dtype (checks the code path, not the rate). `experts`: the routed experts too, as float8 in 128 x 128 blocks
-    that only experts_implementation='triton_fused' reads (eagle3.extract.fused_moe.quantize_experts)."""
-    from eagle3.extract.moe import experts_modules
-
-    routed = experts_modules(model)
-    if model.device.type == "cuda":
-        import torchao
-        from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow, quantize_
-
-        quantize_(model.model, Float8DynamicActivationFloat8WeightConfig(granularity=PerRow()))
-        method = f"torchao {torchao.__version__} Float8DynamicActivationFloat8Weight PerRow"
-    else:
-        with torch.no_grad():
-            for mod in model.model.layers.modules():
-                if isinstance(mod, torch.nn.Linear):
-                    w = mod.weight.float()
-                    scale = w.abs().amax(dim=1, keepdim=True).clamp_min(1e-12) / FP8_MAX
-                    mod.weight.copy_(((w / scale).to(torch.float8_e4m3fn).float() * scale).to(mod.weight.dtype))
-        method = "simulated: decoder linear weights rounded to e4m3, per-row scales"
-    if routed and experts:
-        from eagle3.extract.fused_moe import quantize_experts
-
-        for module in routed:
-            quantize_experts(module)
-        return method + "; routed experts float8 in 128 x 128 blocks, run in FP8 by triton_fused"
-    return method + _EXPERTS_NOTE * bool(routed)
-
-
-def quantize_fp8_blocks(model) -> str:
-    """FP8 on load in DeepSeek-V3's FP8 checkpoint layout, in place: every decoder linear whose in_features is whole
-    blocks as transformers' FP8Linear, and the routed experts, in float8 with a float32 scale per 128 x 128 block,
-    run by the project's kernels (extract fp8_linear='triton', experts_implementation='triton_fused'; no torchao,
-    no hub kernel). The path the reference job's real target takes; on the CPU the kernels run interpreted."""
-    from eagle3.extract.fp8_linear import quantize_linears
-    from eagle3.extract.fused_moe import quantize_experts
-    from eagle3.extract.moe import experts_modules
-
-    linears = quantize_linears(model)
-    routed = experts_modules(model) if fp8_experts_fit(model) else []
-    for module in routed:
-        quantize_experts(module)
-    return (f"float8 128 x 128 blocks (DeepSeek-V3's FP8 checkpoint layout): {linears} decoder linears through "
-            f"fp8_linear='triton'" + (", routed experts through triton_fused" if routed else "")
-            + _EXPERTS_NOTE * bool(experts_modules(model) and not routed))
-
-
-def fp8_experts_fit(model) -> bool:
-    """Can the routed experts go to 128 x 128 FP8 blocks (hidden and expert width whole blocks)?"""
-    from eagle3.extract.fused_moe import whole_fp8_blocks
-    from eagle3.extract.moe import experts_modules
-
-    routed = experts_modules(model)
-    return bool(routed) and whole_fp8_blocks(routed[0])
-
-
-@torch.inference_mode()
-def states_error(ref_model, model, layers: list[int], dtype_name: str, ids: torch.Tensor,
-                 experts: str = "auto") -> list[dict]:
-    """Per capture layer and the final state: relative L2 error and mean cosine of `model`'s states (through the
-    `experts` kernel) against `ref_model`'s on the same ids. Random weights say how fast, not how accurate a
-    trained model would be."""
-    backends = [HFBackend(model=ref_model), HFBackend(model=model, experts=experts)]
-    for b in backends:
-        b.load("random", dtype_name, str(ids.device), layers)
-    (ra, rf), (qa, qf) = (b.capture(ids) for b in backends)
-    out = []
-    for name, r, q in [*[(f"hidden_states[{i}]", a, b) for i, a, b in zip(layers, ra, qa)], ("final", rf, qf)]:
-        r, q = r.float().flatten(0, 1), q.float().flatten(0, 1)
-        out.append({"layer": name, "rel_l2": ((q - r).norm() / r.norm()).item(),
-                    "cosine_mean": torch.nn.functional.cosine_similarity(q, r, dim=-1).mean().item(),
-                    "ref_abs_max": r.abs().max().item()})
-    return out
-
-
-def fp8_extraction_backend(model_path, capture: list[int], folder: Path):
-    """The real target quantized to FP8 on load (quantize_fp8), as an extraction backend (the quality run's
-    fp8-weights row); beside it, the relative error of its captured states against bf16 per capture layer on 8
-    prompts of real text, written once to <folder>/fp8_state_error.json."""
-    import json
-
-    from eagle3.models import load_model, load_tokenizer
-    from tests.support.selfdistill import make_prompts
-
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    dtype = "bfloat16" if device == "cuda" else "float32"
-    model, ref = (load_model(model_path, dtype=dtype).to(device) for _ in range(2))
-    method = quantize_fp8(model)
-    path = Path(folder) / "fp8_state_error.json"
-    if not path.exists():
-        tok = load_tokenizer(model_path)
-        ids = [tok(p)["input_ids"] for p in make_prompts(8)]
-        n = min(map(len, ids))
-        err = states_error(ref, model, capture, dtype, torch.tensor([x[:n] for x in ids], device=device))
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps({"method": method, "tokens": 8 * n, "layers": err}, indent=2))
-        print(f"fp8 weights ({method}): " + ", ".join(f"{e['layer']} rel L2 {e['rel_l2']:.4f}" for e in err), flush=True)
-    return HFBackend(model=model)
-
-
 # -- the machine's limits ---------------------------------------------------------------------
 
 def matmul_probe(device, dtype, n: int, reps: int) -> float:
@@ -243,20 +136,33 @@ def matmul_probe(device, dtype, n: int, reps: int) -> float:
     return 2 * n ** 3 / statistics.median(times)
 
 
-def matmul_sustained(device, dtype, n: int, seconds: float) -> dict:
+def matmul_sustained(device, dtype, n: int, seconds: float, fp8: bool = False) -> dict:
     """n^3 matmuls back to back for `seconds`, timed in groups of ~0.1 s: the rate the GPU holds once its
     clocks settle under load (an H200 at its power limit clocks down within seconds of dense GEMM work), which
-    is what a minutes-long extraction gets, beside the first group's (burst) rate."""
+    is what a minutes-long extraction gets, beside the first group's (burst) rate. `fp8`: float8 e4m3 operands
+    with float32 scales, output in `dtype` (torch._scaled_mm; compute capability >= 8.9)."""
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
-    a @ b
+    if fp8:
+        one = torch.ones((), device=device)
+        a8, b8 = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn).t()  # _scaled_mm takes b column-major
+
+        def matmul():
+            return torch._scaled_mm(a8, b8, scale_a=one, scale_b=one, out_dtype=dtype)
+    else:
+        def matmul():
+            return a @ b
+    matmul()
     sync(device)
-    per_group = max(1, int(0.1 * 7e14 / (2 * n ** 3)))  # ~0.1 s at ~700 TFLOP/s
+    t = time.perf_counter()
+    matmul()
+    sync(device)
+    per_group = max(1, int(0.1 / (time.perf_counter() - t)))  # ~0.1 s a group
     rates, t_end = [], time.perf_counter() + seconds
     while time.perf_counter() < t_end:
         t = time.perf_counter()
         for _ in range(per_group):
-            a @ b
+            matmul()
         sync(device)
         rates.append(per_group * 2 * n ** 3 / (time.perf_counter() - t))
     half = rates[len(rates) // 2:]

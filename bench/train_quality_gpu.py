@@ -47,7 +47,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 
-from bench.extract_limits import fp8_extraction_backend  # noqa: E402
+from bench.extract_fp8 import fp8_extraction_backend  # noqa: E402
 from bench.quality_plan import (OVERRIDE_KNOBS, Clock, Variant, main_variant, plan, recipe, studies,  # noqa: E402
                                 write_table)
 from bench.quality_prompts import TURNS, answered_parts, first_turns, generate, read_conversations  # noqa: E402

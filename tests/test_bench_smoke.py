@@ -53,6 +53,9 @@ def test_extract_bench_smoke_measures_every_option_on_the_cpu(tmp_path):
     assert "routed experts through triton_fused" in blocks["method"]
     assert blocks["extractor"]["tokens"] == models["tiny-moe"]["tokens"]
     assert all(0 < e["rel_l2"] < 0.5 and e["cosine_mean"] > 0.9 for e in blocks["state_error"])
+    roof = blocks["fp8_roofline"]  # the FP8 forward against FP8 GEMMs (torch._scaled_mm runs on the CPU too)
+    assert roof["fp8_matmul"]["sustained"] > 0 and roof["dense_matmul"]["sustained"] > 0
+    assert roof["roofline_tok_per_s"] > 0 and 0 < roof["fraction_steady"] and 0 < roof["fraction_wall"]
 
 
 def test_train_bench_speed_runs_a_tiny_drafter_on_the_cpu(tmp_path):

@@ -52,9 +52,15 @@ def quantized(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @pytest.mark.parametrize("dtype, rtol", [(torch.float32, 1e-6), (torch.bfloat16, 1e-2)])
-@pytest.mark.parametrize("lead, n", [((1,), 128), ((37,), 160), ((2, 70), 192), ((150,), 576)])
-def test_fp8_block_linear_equals_the_definition_over_the_quantized_values(lead, n, dtype, rtol):
-    """Rows off the row block, several row blocks, a partial last column block (MLA's 576), batch dimensions."""
+@pytest.mark.parametrize("lead, n, group_m", [((1,), 128, 1), ((37,), 160, 1), ((2, 70), 192, 1), ((150,), 576, 1),
+                                             ((300,), 576, 2)])
+def test_fp8_block_linear_equals_the_definition_over_the_quantized_values(lead, n, group_m, dtype, rtol,
+                                                                           monkeypatch):
+    """Rows off the row block, several row blocks, a partial last column block (MLA's 576), batch dimensions;
+    programs in groups of row blocks (5 blocks in groups of 2)."""
+    from eagle3.extract import fused_moe_kernels
+
+    monkeypatch.setitem(fused_moe_kernels.CPU_TILES, "GROUP_M", group_m)
     g = torch.Generator().manual_seed(n)
     k = 256
     weight, scale = quantized(torch.randn(n, k, generator=g) / k ** 0.5)

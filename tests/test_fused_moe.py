@@ -59,15 +59,16 @@ def test_align_pairs_groups_each_expert_in_whole_blocks(block_m, skew):
     assert used == sorted(used) and set(used) == set(flat.tolist())
 
 
-@pytest.mark.parametrize("tiles", ["cpu-default", "small"])
+@pytest.mark.parametrize("tiles", ["cpu-default", "small", "small-grouped"])
 @pytest.mark.parametrize("dtype, atol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
 @pytest.mark.parametrize("tokens, skew", [(1, False), (37, False), (200, True)])
 def test_fused_experts_equal_the_sum_over_pairs(tokens, skew, dtype, atol, tiles, monkeypatch):
-    if tiles == "small":  # several blocks an expert, several column tiles, K in several steps, ragged edges
-        from eagle3.extract import fused_moe_kernels
+    if tiles != "cpu-default":  # several blocks an expert, several column tiles, K in several steps, ragged edges;
+        from eagle3.extract import fused_moe_kernels  # grouped: programs in groups of 3 row blocks, the last short
 
         monkeypatch.setattr(fused_moe, "block_m_for", lambda *a: 16)
-        monkeypatch.setattr(fused_moe_kernels, "CPU_TILES", {"BLOCK_N": 32, "BLOCK_K": 32})
+        monkeypatch.setattr(fused_moe_kernels, "CPU_TILES",
+                            {"BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 3 if tiles == "small-grouped" else 1})
     g = torch.Generator().manual_seed(tokens)
     gate_up = (torch.randn(E, 2 * WIDTH, H, generator=g) * 0.1).to(dtype)
     down = (torch.randn(E, H, WIDTH, generator=g) * 0.1).to(dtype)

@@ -360,3 +360,9 @@ def test_preflight_time_estimate_uses_the_rate_of_the_targets_class(targets, tmp
         text = format_report(report)
         assert f"{cls} target: {MEASURED[used]['fraction']:.0%} of the roofline, as measured for {used}" in text
         assert ("not measured yet" in text) == (cls != used)
+    # an FP8 checkpoint of the same target: the bf16 rate, said to be so
+    from eagle3.extract.rates import time_estimate
+
+    fp8 = {**load_config(targets["deepseek_v3"]), "quantization_config": {"quant_method": "fp8"}}
+    t = time_estimate(fp8, 10**7, 1024, 8)
+    assert not t["measured"] and "FP8 checkpoint: its FP8 forward is not measured yet" in t["note"]

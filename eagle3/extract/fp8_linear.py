@@ -37,8 +37,8 @@ def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor)
     _, down, tiles = kernels(x.device, fp8=True)
     w, s = weight.contiguous(), scale.contiguous()
     out = torch.empty(t, n, dtype=x.dtype, device=x.device)
-    down[lambda meta: (-(-n // meta["BLOCK_N"]), capacity // block_m)](
-        xq, w, out, rows, one_expert, ones, xs, s, t, 1, n, k,
+    down[lambda meta: (-(-n // meta["BLOCK_N"]) * (capacity // block_m),)](
+        xq, w, out, rows, one_expert, ones, xs, s, t, 1, capacity // block_m, n, k,
         xq.stride(0), 0, w.stride(0), out.stride(0), xs.stride(0), 0, s.stride(0),
         BLOCK_M=block_m, UPCAST=x.device.type != "cuda", FP8=True, **tiles)
     return out.view(*shape[:-1], n)

@@ -133,15 +133,15 @@ def fused_experts(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: tor
     s2 = down_scale.contiguous() if fp8 else w2
     xq, xs = quantize_groups(x) if fp8 else (x, x)
     h = torch.empty(pairs.numel(), width, dtype=x.dtype, device=x.device)
-    gate_up[lambda meta: (-(-width // meta["BLOCK_N"]), num_blocks)](
-        xq, w1, h, pairs, block_expert, xs, s1, s, top_k, num_experts, width, hidden,
+    gate_up[lambda meta: (-(-width // meta["BLOCK_N"]) * num_blocks,)](
+        xq, w1, h, pairs, block_expert, xs, s1, s, top_k, num_experts, num_blocks, width, hidden,
         xq.stride(0), w1.stride(0), w1.stride(1), h.stride(0), xs.stride(0), s1.stride(0), s1.stride(1),
         BLOCK_M=block_m, UPCAST=upcast, FP8=fp8, **tiles)
     hq, hs = quantize_groups(h) if fp8 else (h, h)
     out = torch.empty(s, hidden, dtype=x.dtype, device=x.device)
     weights = top_k_weights.reshape(-1).contiguous()
-    down[lambda meta: (-(-hidden // meta["BLOCK_N"]), num_blocks)](
-        hq, w2, out, pairs, block_expert, weights, hs, s2, s, num_experts, hidden, width,
+    down[lambda meta: (-(-hidden // meta["BLOCK_N"]) * num_blocks,)](
+        hq, w2, out, pairs, block_expert, weights, hs, s2, s, num_experts, num_blocks, hidden, width,
         hq.stride(0), w2.stride(0), w2.stride(1), out.stride(0), hs.stride(0), s2.stride(0), s2.stride(1),
         BLOCK_M=block_m, UPCAST=upcast, FP8=fp8, **tiles)
     return out.view(t, top_k, hidden).sum(dim=1).to(x.dtype)

@@ -1,8 +1,11 @@
 """The two Triton kernels of eagle3.extract.fused_moe (imported only where triton is installed).
 
-Both are GEMMs over blocks of BLOCK_M (token, expert) pairs that share one expert: program (n, m) computes the
-BLOCK_N output columns n of pair block m. The column tile is the fast grid axis, so the programs in flight work on
-a few row blocks at once and each block's rows are read from HBM once (then from L2 for every column tile).
+Both are GEMMs over blocks of BLOCK_M (token, expert) pairs that share one expert: a program computes the BLOCK_N
+output columns n of pair block m. Programs go column tile first within groups of GROUP_M row blocks: at
+GROUP_M 1 the programs in flight work on a few row blocks at once, each block's rows read from HBM once (then from
+L2 for every column tile); at 8 the weight tiles are shared by 8 row blocks too, which pays where one weight matrix
+meets many row blocks (an FP8 linear, `eagle3.extract.fp8_linear`, or an expert with many tokens). The autotuner
+picks.
 
 Only builtins of triton.language (tl.full, tl.exp, tl.dot, ...): its library functions (tl.zeros, tl.sigmoid) are
 @jit functions that Triton's interpreter can call only when the whole of triton was imported in interpreter mode,
@@ -19,14 +22,18 @@ from triton.runtime.interpreter import InterpretedFunction
 
 
 def gate_up_kernel(x_ptr, w_ptr, out_ptr, pairs_ptr, block_expert_ptr, x_scale_ptr, w_scale_ptr, num_pairs, top_k,
-                   num_experts, N, K, stride_x, stride_we, stride_wn, stride_out, stride_xs, stride_se, stride_sn,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
-                   FP8: tl.constexpr):
+                   num_experts, num_m, N, K, stride_x, stride_we, stride_wn, stride_out, stride_xs, stride_se,
+                   stride_sn, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   GROUP_M: tl.constexpr, UPCAST: tl.constexpr, FP8: tl.constexpr):
     """out[row, n] = SiLU(x[token] . w[e, n]) * (x[token] . w[e, N + n]) for the block's expert e; x is [T, K]
     (K = hidden), w is gate_up_proj [E, 2N, K] (N = expert width), out's rows in the padded sorted order.
     FP8: x and w are float8 with scales per 128 (x_scale [T, K / 128], w_scale [E, 2N / 128, K / 128]) and
     BLOCK_K is 128, so each K step is one scale block of both."""
-    pid_n, pid_m = tl.program_id(0), tl.program_id(1)
+    # column tile first within groups of GROUP_M row blocks (inline: the interpreter calls no @jit helper)
+    pid, per_group = tl.program_id(0), GROUP_M * ((N + BLOCK_N - 1) // BLOCK_N)
+    first_m = pid // per_group * GROUP_M
+    pid_m = first_m + pid % per_group % tl.minimum(num_m - first_m, GROUP_M)
+    pid_n = pid % per_group // tl.minimum(num_m - first_m, GROUP_M)
     e = tl.load(block_expert_ptr + pid_m).to(tl.int64)
     if e >= num_experts:  # past the last expert's blocks
         return
@@ -69,12 +76,16 @@ def gate_up_kernel(x_ptr, w_ptr, out_ptr, pairs_ptr, block_expert_ptr, x_scale_p
 
 
 def down_kernel(h_ptr, w_ptr, out_ptr, pairs_ptr, block_expert_ptr, weights_ptr, h_scale_ptr, w_scale_ptr,
-                num_pairs, num_experts, N, K, stride_h, stride_we, stride_wn, stride_out, stride_hs, stride_se,
-                stride_sn, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
-                FP8: tl.constexpr):
+                num_pairs, num_experts, num_m, N, K, stride_h, stride_we, stride_wn, stride_out, stride_hs, stride_se,
+                stride_sn, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                GROUP_M: tl.constexpr, UPCAST: tl.constexpr, FP8: tl.constexpr):
     """out[pair, n] = weight[pair] * (h[row] . w[e, n]); h is gate_up's output [rows, K] (K = expert width), w is
     down_proj [E, N, K] (N = hidden), out is [S, N] in pair order. FP8: as gate_up's, h_scale [rows, K / 128]."""
-    pid_n, pid_m = tl.program_id(0), tl.program_id(1)
+    # column tile first within groups of GROUP_M row blocks (inline: the interpreter calls no @jit helper)
+    pid, per_group = tl.program_id(0), GROUP_M * ((N + BLOCK_N - 1) // BLOCK_N)
+    first_m = pid // per_group * GROUP_M
+    pid_m = first_m + pid % per_group % tl.minimum(num_m - first_m, GROUP_M)
+    pid_n = pid % per_group // tl.minimum(num_m - first_m, GROUP_M)
     e = tl.load(block_expert_ptr + pid_m).to(tl.int64)
     if e >= num_experts:
         return
@@ -118,7 +129,8 @@ def quantize_kernel(x_ptr, q_ptr, scale_ptr, R, K, stride_x, stride_q, stride_s,
     cols = group * GROUP + tl.arange(0, GROUP)
     ok = rows < R
     rows = rows.to(tl.int64)
-    x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
+    in_x = ok[:, None] & (cols < K)[None, :]  # full-shape: under a [BLOCK_R, 1] mask the interpreter read NaN rows
+    x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=in_x, other=0.0).to(tl.float32)
     # tl.max spelt as the reduction it calls: the interpreter maps this combine function to numpy's max
     amax = tl.reduce(tl.abs(x), 1, tl.standard._elementwise_max)
     # IEEE division, as torch's (Triton's "/" is the approximate one on a GPU)
@@ -132,11 +144,11 @@ def quantize_kernel(x_ptr, q_ptr, scale_ptr, R, K, stride_x, stride_q, stride_s,
     per_step = ((3 - exponent + 127) << 23).to(tl.float32, bitcast=True)  # its inverse, exactly
     rounded = ((tl.abs(v) * per_step + 12582912.0) - 12582912.0) * step  # + 1.5 x 2^23: to an integer, to the even
     v = tl.where(v < 0, -rounded, rounded)  # (-0 where a small negative value rounds to 0, as torch's cast)
-    tl.store(q_ptr + rows[:, None] * stride_q + cols[None, :], v.to(q_ptr.dtype.element_ty), mask=ok[:, None])
+    tl.store(q_ptr + rows[:, None] * stride_q + cols[None, :], v.to(q_ptr.dtype.element_ty), mask=in_x)
     tl.store(scale_ptr + rows * stride_s + group, scale, mask=ok)
 
 
-# (BLOCK_N, BLOCK_K, num_stages, num_warps) the autotuner tries per (N, K, BLOCK_M). gate_up holds two accumulators
+# (BLOCK_N, BLOCK_K, num_stages, num_warps) the autotuner tries per (N, K, BLOCK_M), each at GROUP_M 1 and 8. gate_up holds two accumulators
 # and two weight tiles a stage, so its column tiles are the narrower. Each fits Hopper's 227 KiB of shared memory at
 # BLOCK_M 128 (tests/test_fused_moe.py compiles every one for sm_90 and checks it pipelines into wgmma).
 # FP8 (one byte a value): BLOCK_K is the scale block, 128.
@@ -146,8 +158,12 @@ TILES = {"gate_up": [(64, 64, 4, 4), (64, 64, 4, 8), (64, 128, 3, 8), (128, 64, 
          "down_fp8": [(128, 128, 4, 4), (128, 128, 4, 8), (256, 128, 3, 8), (256, 128, 4, 8)]}
 
 
+GROUPS_M = (1, 8)
+
+
 def configs(kernel: str) -> list:
-    return [triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_stages=s, num_warps=w) for n, k, s, w in TILES[kernel]]
+    return [triton.Config({"BLOCK_N": n, "BLOCK_K": k, "GROUP_M": g}, num_stages=s, num_warps=w)
+            for n, k, s, w in TILES[kernel] for g in GROUPS_M]
 
 
 def autotuned(fn, kernel: str):
@@ -162,4 +178,4 @@ GPU = {False: (autotuned(gate_up_kernel, "gate_up"), autotuned(down_kernel, "dow
 CPU = (InterpretedFunction(gate_up_kernel), InterpretedFunction(down_kernel))
 # (kernel, rows a program): on the CPU few programs (the interpreter's time goes by programs)
 QUANTIZE = {"cuda": (triton.jit(quantize_kernel), 32), "cpu": (InterpretedFunction(quantize_kernel), 1024)}
-CPU_TILES = {"BLOCK_N": 128, "BLOCK_K": 128}  # the interpreter: no autotuning; few programs, each a numpy call
+CPU_TILES = {"BLOCK_N": 128, "BLOCK_K": 128, "GROUP_M": 1}  # the interpreter: no autotuning; few programs, each a numpy call
