@@ -133,10 +133,15 @@ def tiny_moe(kind: str):
                             topk_group=1)
 
 
-@pytest.mark.parametrize("kind", ["qwen3_moe", "deepseek_v3"])
-def test_moe_target_tp2_with_expert_parallel_equals_tp1(kind, tmp_path):
+@pytest.mark.parametrize("kind, experts", [("qwen3_moe", "auto"), ("deepseek_v3", "auto"),
+                                           ("qwen3_moe", "triton_fused")])
+def test_moe_target_tp2_with_expert_parallel_equals_tp1(kind, experts, tmp_path):
+    """Each rank holds half the experts (transformers' expert parallelism); through the project's fused kernels too,
+    where the pairs routed to the other rank's experts add nothing on this one."""
     from transformers import AutoModelForCausalLM
 
+    if experts == "triton_fused":
+        pytest.importorskip("triton")
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(tiny_moe(kind)).save_pretrained(tmp_path / "model")
     lengths = (40, 30, 20)
@@ -145,7 +150,8 @@ def test_moe_target_tp2_with_expert_parallel_equals_tp1(kind, tmp_path):
     spec = plan_shards(ShardPlanConfig(str(tmp_path / "merge"), 1))[0]
     got = {}
     for tp in (1, 2):
-        cfg = config(tmp_path / "model", tmp_path / f"tp{tp}", tp_size=tp, capture_layers=[1, 2, 3], chunk_mb=0.01)
+        cfg = config(tmp_path / "model", tmp_path / f"tp{tp}", tp_size=tp, capture_layers=[1, 2, 3], chunk_mb=0.01,
+                     experts_implementation=experts)
         assert extract_shard(cfg, spec)["tokens"] == sum(lengths) + 2 * len(lengths)
         got[tp] = samples(tmp_path / f"tp{tp}" / "shard-00000")
     for row, s in got[1].items():

@@ -26,7 +26,7 @@ from tests.support.reference import reference_states  # noqa: E402
 from tests.support.synthetic import one_shard_of_random_samples  # noqa: E402
 
 CAPTURE = [1, 2, 3]
-LENGTHS = [90, 70, 120, 60, 100, 80, 110]  # budget 256: 2-3 samples a batch, a batch a chunk
+LENGTHS = [50, 40, 60, 30, 55, 45, 35]  # budget 256: 2 batches, a batch a chunk (the interpreter's time is dear)
 # DeepSeek-V3's layout at the smallest widths its FP8 blocks allow: every K a whole number of 128-blocks, and
 # partial last row blocks where DeepSeek-V3 has them (kv_a_proj_with_mqa: 576 there, 160 here; q_b_proj 192)
 FP8_DSV3 = dict(hidden_size=128, num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=2, vocab_size=49152,
@@ -52,12 +52,12 @@ def quantized(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @pytest.mark.parametrize("dtype, rtol", [(torch.float32, 1e-6), (torch.bfloat16, 1e-2)])
-@pytest.mark.parametrize("lead, n, group_m", [((1,), 128, 1), ((37,), 160, 1), ((2, 70), 192, 1), ((150,), 576, 1),
-                                             ((300,), 576, 2)])
+@pytest.mark.parametrize("lead, n, group_m", [((1,), 128, 1), ((37,), 160, 1), ((2, 70), 192, 1), ((300,), 576, 1),
+                                             ((600,), 576, 2)])
 def test_fp8_block_linear_equals_the_definition_over_the_quantized_values(lead, n, group_m, dtype, rtol,
                                                                            monkeypatch):
-    """Rows off the row block, several row blocks, a partial last column block (MLA's 576), batch dimensions;
-    programs in groups of row blocks (5 blocks in groups of 2)."""
+    """Rows off the row block, several row blocks (256 rows a block on the CPU), a partial last column block (MLA's
+    576), batch dimensions; programs in groups of row blocks (3 blocks in groups of 2)."""
     from eagle3.extract import fused_moe_kernels
 
     monkeypatch.setitem(fused_moe_kernels.CPU_TILES, "GROUP_M", group_m)
@@ -78,10 +78,9 @@ def fp8_checkpoint_model(seed: int = 0):
     from transformers import AutoModelForCausalLM, FineGrainedFP8Config
     from transformers.integrations.finegrained_fp8 import replace_with_fp8_linear
 
-    config = transformers.DeepseekV3Config(**FP8_DSV3)
-    torch.manual_seed(seed)
-    full = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    torch.manual_seed(seed)  # (a config each: the experts kernel is set on a model's config)
+    full = AutoModelForCausalLM.from_config(transformers.DeepseekV3Config(**FP8_DSV3), dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_config(transformers.DeepseekV3Config(**FP8_DSV3), dtype=torch.float32)
     replace_with_fp8_linear(model, modules_to_not_convert=["lm_head"], pre_quantized=True,
                             quantization_config=FineGrainedFP8Config(weight_block_size=[FP8_BLOCK, FP8_BLOCK]))
     state, modules = {}, dict(model.named_modules())
@@ -131,7 +130,7 @@ def test_an_fp8_checkpoint_extracts_offline_equal_to_its_definition_and_resumes_
     full, model = fp8_checkpoint_model()
     whole = run(model, tmp_path / "whole", spec)
     m = ShardManifest.load(Path(whole["shard_dir"]))
-    assert whole["complete"] and m.params["states"]["fp8_linear"] == "auto" and len(m.chunks) >= 3
+    assert whole["complete"] and m.params["states"]["fp8_linear"] == "auto" and len(m.chunks) >= 2
     runs = {type(mod).__name__ for mod in model.modules()}
     assert "TritonFP8Linear" in runs and model.config._experts_implementation == "triton_fused"
 
@@ -147,16 +146,16 @@ def test_an_fp8_checkpoint_extracts_offline_equal_to_its_definition_and_resumes_
         aux_full, _ = reference_states(full, ids, CAPTURE)
         assert rel_l2(got[row].aux_hidden, aux_full) < 0.1  # FP8's rounding of weights and activations only
     # float32's summation order (float64 in the definition) moves a value across an e4m3 rounding boundary or a
-    # token's top-k routing tie now and then, and the layers after carry it: a sample off by ~1% (row 6 here)
+    # token's top-k routing tie now and then, and the layers after carry it: a sample off by ~1% at most
     assert max(errors) < 0.02 and sorted(errors)[len(errors) // 2] < 1e-5, errors
 
     with pytest.raises(ConfigError, match="fp8_linear='auto'"):  # a resume may not switch the kernel
         run(model, tmp_path / "whole", spec, fp8_linear="transformers")
-    monkeypatch.setenv(FAULT_ENV, f"shard=0,after_chunks=2,once_file={tmp_path / 'once'}")
+    monkeypatch.setenv(FAULT_ENV, f"shard=0,after_chunks=1,once_file={tmp_path / 'once'}")
     with pytest.raises(InjectedFault):
         run(model, tmp_path / "cut", spec)
     resumed = run(model, tmp_path / "cut", spec)
-    assert resumed["resumed_from_chunk"] == 2 and resumed["complete"]
+    assert resumed["resumed_from_chunk"] == 1 and resumed["complete"]
     assert chunk_bytes(Path(resumed["shard_dir"])) == chunk_bytes(Path(whole["shard_dir"]))
 
 

@@ -82,6 +82,34 @@ def test_fused_experts_equal_the_sum_over_pairs(tokens, skew, dtype, atol, tiles
     assert torch.equal(again, got)  # no atomics: the same bytes run to run
 
 
+@pytest.mark.parametrize("fp8", [False, True])
+def test_expert_parallel_pairs_of_other_ranks_add_nothing(fp8):
+    """Under transformers' expert parallelism a rank holds E of the experts and an id >= E marks a pair routed to
+    another rank (its weight zeroed): those pairs form a group no kernel runs, and their rows are zeros, so the
+    rank's sum is that of its own experts' pairs (the ranks' sums are all-reduced after)."""
+    g = torch.Generator().manual_seed(5)
+    e, hidden, width, tokens = 3, 128, 128, 41
+    gate_up = torch.randn(e, 2 * width, hidden, generator=g) * 0.05
+    down = torch.randn(e, hidden, width, generator=g) * 0.05
+    x = torch.randn(tokens, hidden, generator=g)
+    global_idx = torch.stack([torch.randperm(2 * e, generator=g)[:TOP_K] for _ in range(tokens)])
+    weights = torch.rand(tokens, TOP_K, generator=g)
+    here = global_idx < e
+    local_idx = torch.where(here, global_idx, e + global_idx % e)  # transformers' sentinels: any id >= E
+    weights_here = weights * here
+    pairs, block_expert = fused_moe.align_pairs(local_idx, e, 16, elsewhere=True)
+    assert sorted(pairs[pairs < local_idx.numel()].tolist()) == list(range(local_idx.numel()))
+    assert set(block_expert.tolist()) <= set(range(e + 2)) and (block_expert == e).any()  # the other ranks' group
+    scales = ()
+    if fp8:
+        (gate_up, s1), (down, s2) = fused_moe.quantize_blocks(gate_up), fused_moe.quantize_blocks(down)
+        scales = (s1, s2)
+    got = fused_moe.fused_experts(x, local_idx, weights_here, gate_up, down, *scales, expert_parallel=True)
+    assert torch.isfinite(got).all()
+    only_here = fused_moe.fused_experts(x, torch.where(here, local_idx, 0), weights_here, gate_up, down, *scales)
+    torch.testing.assert_close(got, only_here, rtol=1e-5, atol=1e-6)  # id 0 at weight 0 adds nothing either
+
+
 def dequantized(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return q.double() * scale.double().repeat_interleave(128, 1).repeat_interleave(128, 2)
 

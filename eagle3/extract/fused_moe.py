@@ -60,25 +60,32 @@ def quantize_groups(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def block_m_for(num_pairs: int, num_experts: int, device: torch.device) -> int:
-    """Rows a block: on a GPU 128 where experts get many rows each, else 64 (a group pads to it); on the CPU 64
-    (the interpreter's time goes by programs, not by their size)."""
-    return 128 if device.type == "cuda" and num_pairs >= 1024 * num_experts else 64
+    """Rows a block: on a GPU 128 where experts get many rows each, else 64 (a group pads to it); on the CPU 256
+    (the interpreter's time goes by programs and ops, hardly by their size)."""
+    if device.type != "cuda":
+        return 256
+    return 128 if num_pairs >= 1024 * num_experts else 64
 
 
-def align_pairs(top_k_index: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+def align_pairs(top_k_index: torch.Tensor, num_experts: int, block_m: int,
+                elsewhere: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(pairs [capacity] int32, block_expert [capacity // block_m] int32): the (token, expert) pairs (index
     token * top_k + j) sorted by expert, each expert's group padded with the sentinel S to whole blocks, and the
-    expert of each block (num_experts past the last group). capacity is the bound S + E (block_m - 1), so every
-    shape is known without reading the counts back to the host."""
+    expert of each block (num_experts or more past the experts' groups: no kernel runs those blocks). capacity is
+    the bound S + E (block_m - 1), so every shape is known without reading the counts back to the host.
+    `elsewhere` (expert parallelism): ids >= num_experts name experts on other ranks; their pairs form one group
+    after the last expert's."""
+    groups = num_experts + elsewhere
     ids = top_k_index.reshape(-1).long()
+    ids = ids.clamp(max=num_experts) if elsewhere else ids
     s, device = ids.numel(), ids.device
     sorted_experts, order = torch.sort(ids, stable=True)
-    counts = torch.zeros(num_experts, dtype=torch.long, device=device).scatter_add_(0, ids, torch.ones_like(ids))
+    counts = torch.zeros(groups, dtype=torch.long, device=device).scatter_add_(0, ids, torch.ones_like(ids))
     padded = (counts + block_m - 1) // block_m * block_m
     padded_end = torch.cumsum(padded, 0)
     group_start = torch.cumsum(counts, 0) - counts
     dest = (padded_end - padded)[sorted_experts] + torch.arange(s, device=device) - group_start[sorted_experts]
-    capacity = -(-(s + min(num_experts, s) * (block_m - 1)) // block_m) * block_m
+    capacity = -(-(s + min(groups, s) * (block_m - 1)) // block_m) * block_m
     pairs = torch.full((capacity,), s, dtype=torch.int32, device=device)
     pairs[dest] = order.to(torch.int32)  # each dest once: deterministic
     block_starts = torch.arange(0, capacity, block_m, device=device)
@@ -113,18 +120,20 @@ def quantize_experts(module) -> None:
 @torch.library.custom_op("eagle3::triton_fused_experts", mutates_args=())
 def fused_experts(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, gate_up_proj: torch.Tensor,
                   down_proj: torch.Tensor, gate_up_scale: torch.Tensor | None = None,
-                  down_scale: torch.Tensor | None = None) -> torch.Tensor:
+                  down_scale: torch.Tensor | None = None, expert_parallel: bool = False) -> torch.Tensor:
     """The routed experts' sum for tokens x [T, H]: sum_j weight[t, j] * down(SiLU(gate) * up)(x[t]) through expert
     top_k_index[t, j]; gate_up_proj [E, 2I, H], down_proj [E, H, I] (transformers' layout). With scales the
     weights are float8 in 128 x 128 blocks (w = w_q * scale, scale [E, out / 128, in / 128]) and the GEMMs run in
-    FP8, their inputs quantized per token and 128 values (`quantize_groups`)."""
+    FP8, their inputs quantized per token and 128 values (`quantize_groups`). `expert_parallel`: this rank holds
+    experts 0..E-1 of its share, an id >= E is an expert of another rank (transformers' EP sentinel), whose pair
+    adds nothing here (the ranks' sums are all-reduced after)."""
     x = x.contiguous()
     t, hidden = x.shape
     top_k, (num_experts, two_i, _) = top_k_index.shape[-1], gate_up_proj.shape
     width, s = two_i // 2, t * top_k
     fp8 = gate_up_scale is not None
     block_m = block_m_for(s, num_experts, x.device)
-    pairs, block_expert = align_pairs(top_k_index, num_experts, block_m)
+    pairs, block_expert = align_pairs(top_k_index, num_experts, block_m, elsewhere=expert_parallel)
     num_blocks = block_expert.numel()
     gate_up, down, tiles = kernels(x.device, fp8)
     upcast = x.device.type != "cuda"
@@ -132,13 +141,17 @@ def fused_experts(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: tor
     s1 = gate_up_scale.contiguous() if fp8 else w1  # (unread without FP8)
     s2 = down_scale.contiguous() if fp8 else w2
     xq, xs = quantize_groups(x) if fp8 else (x, x)
-    h = torch.empty(pairs.numel(), width, dtype=x.dtype, device=x.device)
+    # rows of padding and of blocks no kernel runs stay unwritten; FP8 quantizes them too (their scales are never
+    # read): zeros on the CPU, where numpy would warn of NaN in the memory left there, at every op
+    h = (torch.empty if x.device.type == "cuda" else torch.zeros)(pairs.numel(), width, dtype=x.dtype,
+                                                                   device=x.device)
     gate_up[lambda meta: (-(-width // meta["BLOCK_N"]) * num_blocks,)](
         xq, w1, h, pairs, block_expert, xs, s1, s, top_k, num_experts, num_blocks, width, hidden,
         xq.stride(0), w1.stride(0), w1.stride(1), h.stride(0), xs.stride(0), s1.stride(0), s1.stride(1),
         BLOCK_M=block_m, UPCAST=upcast, FP8=fp8, **tiles)
     hq, hs = quantize_groups(h) if fp8 else (h, h)
-    out = torch.empty(s, hidden, dtype=x.dtype, device=x.device)
+    # (under expert parallelism the other ranks' pairs are never written: zeros, not garbage times a zero weight)
+    out = (torch.zeros if expert_parallel else torch.empty)(s, hidden, dtype=x.dtype, device=x.device)
     weights = top_k_weights.reshape(-1).contiguous()
     down[lambda meta: (-(-hidden // meta["BLOCK_N"]) * num_blocks,)](
         hq, w2, out, pairs, block_expert, weights, hs, s2, s, num_experts, num_blocks, hidden, width,
@@ -148,7 +161,8 @@ def fused_experts(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: tor
 
 
 @fused_experts.register_fake
-def _(x, top_k_index, top_k_weights, gate_up_proj, down_proj, gate_up_scale=None, down_scale=None):
+def _(x, top_k_index, top_k_weights, gate_up_proj, down_proj, gate_up_scale=None, down_scale=None,
+      expert_parallel=False):
     return torch.empty_like(x)
 
 
@@ -158,7 +172,8 @@ def experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor
     `fused_experts`."""
     fp8 = self.gate_up_proj.dtype == torch.float8_e4m3fn
     return fused_experts(hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj,
-                         self.gate_up_proj_scale_inv if fp8 else None, self.down_proj_scale_inv if fp8 else None)
+                         self.gate_up_proj_scale_inv if fp8 else None, self.down_proj_scale_inv if fp8 else None,
+                         getattr(self, "_is_expert_parallel", False))
 
 
 def weights_ok(module) -> bool:
@@ -191,7 +206,6 @@ def check_experts(module) -> None:
               "no post-expert norm": not getattr(module, "has_post_expert_norm", True),
               "the SiLU activation": isinstance(getattr(module, "act_fn", None), torch.nn.SiLU)
               or type(getattr(module, "act_fn", None)).__name__ == "SiLUActivation",
-              "no expert parallelism": not getattr(module, "_is_expert_parallel", False),
               "a plain SwiGLU (no clamp, softcap or alpha)": all(getattr(module, a, None) is None for a in
                                                                  ("limit", "gate_softcap", "up_softcap",
                                                                   "swiglu_alpha")),
