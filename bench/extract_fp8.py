@@ -117,7 +117,8 @@ def fp8_extraction_backend(model_path, capture: list[int], folder: Path):
         err = states_error(ref, model, capture, dtype, torch.tensor([x[:n] for x in ids], device=device))
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps({"method": method, "tokens": 8 * n, "layers": err}, indent=2))
-        print(f"fp8 weights ({method}): " + ", ".join(f"{e['layer']} rel L2 {e['rel_l2']:.4f}" for e in err), flush=True)
+        print(f"fp8 weights ({method}): " + ", ".join(f"{e['layer']} rel L2 {e['rel_l2']:.4f}" for e in err),
+              flush=True)
     return HFBackend(model=model)
 
 

@@ -1,6 +1,7 @@
-"""The two Triton kernels of eagle3.extract.fused_moe (imported only where triton is installed).
+"""The Triton kernels of eagle3.extract.fused_moe (imported only where triton is installed): two GEMMs and the
+activation quantization of their FP8 path.
 
-Both are GEMMs over blocks of BLOCK_M (token, expert) pairs that share one expert: a program computes the BLOCK_N
+The GEMMs run over blocks of BLOCK_M (token, expert) pairs that share one expert: a program computes the BLOCK_N
 output columns n of pair block m. Programs go column tile first within groups of GROUP_M row blocks: at
 GROUP_M 1 the programs in flight work on a few row blocks at once, each block's rows read from HBM once (then from
 L2 for every column tile); at 8 the weight tiles are shared by 8 row blocks too, which pays where one weight matrix
@@ -148,9 +149,10 @@ def quantize_kernel(x_ptr, q_ptr, scale_ptr, R, K, stride_x, stride_q, stride_s,
     tl.store(scale_ptr + rows * stride_s + group, scale, mask=ok)
 
 
-# (BLOCK_N, BLOCK_K, num_stages, num_warps) the autotuner tries per (N, K, BLOCK_M), each at GROUP_M 1 and 8. gate_up holds two accumulators
-# and two weight tiles a stage, so its column tiles are the narrower. Each fits Hopper's 227 KiB of shared memory at
-# BLOCK_M 128 (tests/test_fused_moe.py compiles every one for sm_90 and checks it pipelines into wgmma).
+# (BLOCK_N, BLOCK_K, num_stages, num_warps) the autotuner tries per (N, K, BLOCK_M), each at GROUP_M 1 and 8.
+# gate_up holds two accumulators and two weight tiles a stage, so its column tiles are the narrower. Each fits
+# Hopper's 227 KiB of shared memory at BLOCK_M 128 (tests/test_fused_moe.py compiles every one for sm_90 and checks
+# it pipelines into wgmma).
 # FP8 (one byte a value): BLOCK_K is the scale block, 128.
 TILES = {"gate_up": [(64, 64, 4, 4), (64, 64, 4, 8), (64, 128, 3, 8), (128, 64, 3, 8), (128, 64, 4, 8)],
          "down": [(128, 64, 4, 4), (128, 64, 4, 8), (128, 128, 3, 8), (256, 64, 3, 8), (256, 64, 4, 8)],
@@ -178,4 +180,4 @@ GPU = {False: (autotuned(gate_up_kernel, "gate_up"), autotuned(down_kernel, "dow
 CPU = (InterpretedFunction(gate_up_kernel), InterpretedFunction(down_kernel))
 # (kernel, rows a program): on the CPU few programs (the interpreter's time goes by programs)
 QUANTIZE = {"cuda": (triton.jit(quantize_kernel), 32), "cpu": (InterpretedFunction(quantize_kernel), 1024)}
-CPU_TILES = {"BLOCK_N": 128, "BLOCK_K": 128, "GROUP_M": 1}  # the interpreter: no autotuning; few programs, each a numpy call
+CPU_TILES = {"BLOCK_N": 128, "BLOCK_K": 128, "GROUP_M": 1}  # the interpreter: no autotuning; few programs
