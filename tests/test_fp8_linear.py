@@ -45,12 +45,6 @@ def linear_definition(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor
     return (xd @ dequantize(weight, scale).T).view(*x.shape[:-1], -1)
 
 
-def quantized(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """w [N, K] in 128 x 128 blocks, the last row block partial when N is."""
-    q, scale = quantize_blocks(fp8_linear._pad_rows(w)[None])
-    return q[0, :w.shape[0]], scale[0]
-
-
 @pytest.mark.parametrize("dtype, rtol", [(torch.float32, 1e-6), (torch.bfloat16, 1e-2)])
 @pytest.mark.parametrize("lead, n, group_m", [((1,), 128, 1), ((37,), 160, 1), ((2, 70), 192, 1), ((300,), 576, 1),
                                              ((600,), 576, 2)])
@@ -63,7 +57,7 @@ def test_fp8_block_linear_equals_the_definition_over_the_quantized_values(lead, 
     monkeypatch.setitem(fused_moe_kernels.CPU_TILES, "GROUP_M", group_m)
     g = torch.Generator().manual_seed(n)
     k = 256
-    weight, scale = quantized(torch.randn(n, k, generator=g) / k ** 0.5)
+    weight, scale = fp8_linear.quantize_weight(torch.randn(n, k, generator=g) / k ** 0.5)
     x = torch.randn(*lead, k, generator=g).to(dtype)
     got = fp8_linear.fp8_block_linear(x, weight, scale)
     assert got.shape == (*lead, n) and got.dtype == dtype
@@ -87,7 +81,7 @@ def fp8_checkpoint_model(seed: int = 0):
     for name, w in full.state_dict().items():
         path, _, leaf = name.rpartition(".")
         if type(modules[path]).__name__ == "FP8Linear" and leaf == "weight":
-            state[name], state[name + "_scale_inv"] = quantized(w)
+            state[name], state[name + "_scale_inv"] = fp8_linear.quantize_weight(w)
         elif leaf in ("gate_up_proj", "down_proj"):
             state[name], state[name + "_scale_inv"] = quantize_blocks(w)
         else:

@@ -125,9 +125,9 @@ def quantize_linears(model) -> int:
             with torch.device("meta"):
                 fp8 = FP8Linear(child.in_features, child.out_features, block_size=(FP8_BLOCK, FP8_BLOCK),
                                 has_bias=child.bias is not None)
-            q, scale = quantize_blocks(_pad_rows(child.weight.detach())[None])
-            fp8.weight = torch.nn.Parameter(q[0, :child.out_features], requires_grad=False)
-            fp8.weight_scale_inv = torch.nn.Parameter(scale[0], requires_grad=False)
+            q, scale = quantize_weight(child.weight.detach())
+            fp8.weight = torch.nn.Parameter(q, requires_grad=False)
+            fp8.weight_scale_inv = torch.nn.Parameter(scale, requires_grad=False)
             if child.bias is not None:
                 fp8.bias = torch.nn.Parameter(child.bias.detach(), requires_grad=False)
             setattr(parent, child_name, fp8)
@@ -135,7 +135,9 @@ def quantize_linears(model) -> int:
     return converted
 
 
-def _pad_rows(w: torch.Tensor) -> torch.Tensor:
-    """w with zero rows up to whole blocks (a checkpoint's last row block may be partial, e.g. MLA's 576)."""
+def quantize_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(w_q float8_e4m3fn [N, K], scale float32 [ceil(N / 128), K / 128]): a linear's weight in 128 x 128 blocks,
+    the last row block partial where N is (as a checkpoint stores MLA's 576 rows)."""
     pad = -w.shape[0] % FP8_BLOCK
-    return torch.cat([w, w.new_zeros(pad, w.shape[1])]) if pad else w
+    q, scale = quantize_blocks((torch.cat([w, w.new_zeros(pad, w.shape[1])]) if pad else w)[None])
+    return q[0, :w.shape[0]], scale[0]

@@ -33,8 +33,8 @@ def gate_up_kernel(x_ptr, w_ptr, out_ptr, pairs_ptr, block_expert_ptr, x_scale_p
     # column tile first within groups of GROUP_M row blocks (inline: the interpreter calls no @jit helper)
     pid, per_group = tl.program_id(0), GROUP_M * ((N + BLOCK_N - 1) // BLOCK_N)
     first_m = pid // per_group * GROUP_M
-    pid_m = first_m + pid % per_group % tl.minimum(num_m - first_m, GROUP_M)
-    pid_n = pid % per_group // tl.minimum(num_m - first_m, GROUP_M)
+    rows_here = tl.minimum(num_m - first_m, GROUP_M)  # the last group may be short
+    pid_m, pid_n = first_m + pid % per_group % rows_here, pid % per_group // rows_here
     e = tl.load(block_expert_ptr + pid_m).to(tl.int64)
     if e >= num_experts:  # past the last expert's blocks
         return
@@ -85,8 +85,8 @@ def down_kernel(h_ptr, w_ptr, out_ptr, pairs_ptr, block_expert_ptr, weights_ptr,
     # column tile first within groups of GROUP_M row blocks (inline: the interpreter calls no @jit helper)
     pid, per_group = tl.program_id(0), GROUP_M * ((N + BLOCK_N - 1) // BLOCK_N)
     first_m = pid // per_group * GROUP_M
-    pid_m = first_m + pid % per_group % tl.minimum(num_m - first_m, GROUP_M)
-    pid_n = pid % per_group // tl.minimum(num_m - first_m, GROUP_M)
+    rows_here = tl.minimum(num_m - first_m, GROUP_M)  # the last group may be short
+    pid_m, pid_n = first_m + pid % per_group % rows_here, pid % per_group // rows_here
     e = tl.load(block_expert_ptr + pid_m).to(tl.int64)
     if e >= num_experts:
         return

@@ -8,6 +8,7 @@ one and the estimate says so. Torch-free.
 
 from __future__ import annotations
 
+from eagle3.fit import fp8_checkpoint
 from eagle3.flops import flops_per_token, target_class
 
 H200_SUSTAINED_FLOPS = 664e12  # bf16 matmul held for seconds on one H200 (docs/benchmarks.md)
@@ -34,7 +35,7 @@ def expected_rate(model_config: dict, mean_length: int, matmul_flops: float = H2
             f"{m['source']})")
     if used != cls:
         note += f"; {cls} targets are not measured yet"
-    fp8 = (model_config.get("quantization_config") or {}).get("quant_method") == "fp8"
+    fp8 = fp8_checkpoint(model_config)
     if fp8:  # its linears run as float8 MMAs (eagle3.extract.fp8_linear), up to twice bf16's rate
         note += "; FP8 checkpoint: its FP8 forward is not measured yet, so this is the bf16 rate (likely too long)"
     return {"class": cls, "rate_class": used, "measured": used == cls and not fp8, "fraction": m["fraction"],
