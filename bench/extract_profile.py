@@ -22,7 +22,10 @@ from eagle3.extract.batches import padded_length, plan_batches
 
 # first match wins: a grouped GEMM is a GEMM, and an index kernel inside the experts is routing work
 KINDS = [
-    ("experts_gemm", re.compile(r"group|_grouped_mm|ptr_array", re.I)),
+    # gate_up_kernel / down_kernel: the project's fused experts (eagle3/extract/fused_moe_kernels.py); down_kernel
+    # also runs an FP8 checkpoint's linears, which then count here too
+    ("experts_gemm", re.compile(r"group|_grouped_mm|ptr_array|gate_up_kernel|down_kernel", re.I)),
+    ("fp8_quantize", re.compile(r"quantize_kernel", re.I)),
     ("gemm", re.compile(r"gemm|xmma|nvjet|cutlass|cublas|triton_tem|aten::(mm|bmm|addmm|linear|matmul)\b|sm90_",
                         re.I)),  # triton_tem: Inductor's GEMM templates
     ("attention", re.compile(r"flash|fmha|attention|sdpa|cudnn", re.I)),

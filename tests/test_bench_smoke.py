@@ -125,6 +125,7 @@ def test_profile_sorts_gpu_kernel_names_by_kind():
         "nvjet_tst_192x192", "sm90_xmma_gemm_bf16bf16_bf16f32", "triton_tem_fused_mm_0",
         "triton_poi_fused_add_mul_silu_0",
         "pytorch_flash::flash_fwd_kernel<", "at::native::kernelHistogram1D<", "cub::DeviceRadixSortOnesweepKernel",
-        "at::native::indexSelectLargeIndex<", "Memcpy DtoH (Device -> Pinned)", "at::native::reduce_kernel<")] == [
+        "at::native::indexSelectLargeIndex<", "Memcpy DtoH (Device -> Pinned)", "at::native::reduce_kernel<",
+        "gate_up_kernel", "down_kernel", "quantize_kernel")] == [
         "experts_gemm", "gemm", "gemm", "gemm", "fused_elementwise", "attention", "routing", "routing", "routing",
-        "copy", "other"]
+        "copy", "other", "experts_gemm", "experts_gemm", "fp8_quantize"]

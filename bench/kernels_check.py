@@ -1,0 +1,191 @@
+"""The project's Triton kernels (eagle3/extract/fused_moe.py, fp8_linear.py) at the real targets' shapes, compiled:
+right first, then how fast. The tests run them only in Triton's interpreter on the CPU; this runs them where they
+are compiled and autotuned, against their definitions in float32 on the same device, on fresh random inputs, with
+the memory their outputs land in filled with NaN first (an unwritten element shows).
+
+Rows (each: relative L2 error against the definition and the time of one call, median of --reps):
+- quantize: the activation quantization kernel against the scheme in torch's ops, byte for byte;
+- experts-bf16 / experts-fp8: the fused routed experts of one batch at the Qwen3-30B-A3B and DeepSeek-V3 widths,
+  as FLOP/s of their GEMMs, beside transformers' grouped_mm path on the same batch (bf16);
+- linear-fp8: one FP8 checkpoint linear (DeepSeek-V3's widths, MLA's 576-row kv_a_proj_with_mqa among them) beside
+  torch._scaled_mm's FP8 GEMM (per-row scales) and a bf16 GEMM of the same shape.
+
+    python3 bench/kernels_check.py --out $OUT/kernels.json        # H200: ~1 minute, autotuning included
+    python bench/kernels_check.py --smoke                          # CPU: tiny shapes, the interpreter
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from eagle3.extract import fp8_linear, fused_moe  # noqa: E402
+from tests.support.fp8 import quantize_groups  # noqa: E402
+
+# (name, hidden, expert width, experts, top k)
+EXPERTS = {"qwen3-30b-a3b": (2048, 768, 128, 8), "dsv3": (7168, 2048, 256, 8)}
+LINEARS = {"q_a_proj": (1536, 7168), "kv_a_proj_with_mqa": (576, 7168), "q_b_proj": (24576, 1536),
+           "o_proj": (7168, 16384), "mlp.gate_up": (36864, 7168)}  # (out, in) at DeepSeek-V3's widths
+SMOKE_EXPERTS, SMOKE_LINEAR = (256, 128, 16, 4), (160, 256)  # the CPU's interpreter: small, FP8 blocks whole
+
+
+def poison(device: torch.device, nbytes: int) -> None:
+    """NaN in the caching allocator's free blocks, so the next torch.empty of the outputs holds NaN."""
+    if device.type == "cuda":
+        torch.full((nbytes // 4,), float("nan"), device=device).view(-1)
+        torch.cuda.synchronize(device)
+
+
+def timed(fn, device, reps: int) -> float:
+    fn()
+    times = []
+    for _ in range(reps):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def rel(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got.float() - want.float()).norm() / want.float().norm().clamp_min(1e-30))
+
+
+def experts_reference(x, idx, w, gate_up, down, up_scale=None, down_scale=None):
+    """The routed experts' sum in float32, one expert at a time; with scales the FP8 scheme (activations
+    quantized per token and 128 values, weights dequantized per 128 x 128 block)."""
+    def deq(q, s):
+        return q.float() * s.repeat_interleave(128, -2).repeat_interleave(128, -1)[..., :q.shape[-2], :q.shape[-1]]
+
+    def act(v):
+        if up_scale is None:
+            return v.float()
+        q, s = quantize_groups(v)
+        return (q.float().view(*s.shape, 128) * s[..., None]).view(v.shape)
+
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    xa = act(x)
+    for e in torch.unique(idx).tolist():
+        t, j = (idx == e).nonzero(as_tuple=True)
+        wu = deq(gate_up[e], up_scale[e]) if up_scale is not None else gate_up[e].float()
+        wd = deq(down[e], down_scale[e]) if down_scale is not None else down[e].float()
+        g, u = (xa[t] @ wu.T).chunk(2, dim=-1)
+        h = (torch.nn.functional.silu(g) * u).to(x.dtype)  # the kernels store h in the run's dtype
+        out.index_add_(0, t, w[t, j, None].float() * (act(h) @ wd.T))
+    return out
+
+
+def check_experts(name, tokens, device, dtype, reps) -> dict:
+    hidden, width, experts, k = EXPERTS[name] if device.type == "cuda" else SMOKE_EXPERTS
+    g = torch.Generator(device=device).manual_seed(tokens)
+    x = torch.randn(tokens, hidden, device=device, dtype=dtype, generator=g)
+    idx = torch.rand(tokens, experts, device=device, generator=g).topk(k, dim=-1).indices
+    w = torch.rand(tokens, k, device=device, generator=g).to(dtype)
+    up = torch.randn(experts, 2 * width, hidden, device=device, dtype=dtype, generator=g) / hidden ** 0.5
+    dn = torch.randn(experts, hidden, width, device=device, dtype=dtype, generator=g) / width ** 0.5
+    flops = 2.0 * tokens * k * 3 * hidden * width
+    row = {"tokens": tokens, "experts": experts, "hidden": hidden, "width": width, "top_k": k}
+    poison(device, x.numel() * k * 4)
+    got = fused_moe.fused_experts(x, idx, w, up, dn)
+    row["bf16_rel_l2"] = rel(got, experts_reference(x, idx, w, up, dn))
+    row["bf16_nan"] = bool(got.isnan().any())
+    if device.type == "cuda":
+        row["bf16_tflops"] = flops / timed(lambda: fused_moe.fused_experts(x, idx, w, up, dn), device, reps) / 1e12
+        try:  # transformers' own experts module of that layout, its grouped_mm path
+            from transformers import Qwen3MoeConfig
+            from transformers.integrations.moe import grouped_mm_experts_forward
+            from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+
+            with torch.device("meta"):
+                mod = Qwen3MoeExperts(Qwen3MoeConfig(hidden_size=hidden, moe_intermediate_size=width,
+                                                     num_experts=experts, num_experts_per_tok=k))
+            mod.gate_up_proj, mod.down_proj = torch.nn.Parameter(up), torch.nn.Parameter(dn)
+            with torch.inference_mode():
+                row["grouped_mm_rel_l2_vs_fused"] = rel(grouped_mm_experts_forward(mod, x, idx, w), got)
+                row["grouped_mm_tflops"] = flops / timed(lambda: grouped_mm_experts_forward(mod, x, idx, w), device,
+                                                         reps) / 1e12
+            del mod
+        except Exception as e:  # noqa: BLE001 (a transformers without that path: the row says why)
+            row["grouped_mm"] = f"{type(e).__name__}: {str(e)[:200]}"
+    up_q, up_s = fused_moe.quantize_blocks(up)
+    dn_q, dn_s = fused_moe.quantize_blocks(dn)
+    del up, dn
+    poison(device, x.numel() * k * 4)
+    got = fused_moe.fused_experts(x, idx, w, up_q, dn_q, up_s, dn_s)
+    row["fp8_rel_l2"] = rel(got, experts_reference(x, idx, w, up_q, dn_q, up_s, dn_s))
+    row["fp8_nan"] = bool(got.isnan().any())
+    if device.type == "cuda":
+        row["fp8_tflops"] = flops / timed(lambda: fused_moe.fused_experts(x, idx, w, up_q, dn_q, up_s, dn_s),
+                                          device, reps) / 1e12
+    return row
+
+
+def check_linear(out_f, in_f, tokens, device, dtype, reps) -> dict:
+    g = torch.Generator(device=device).manual_seed(out_f)
+    weight, scale = fp8_linear.quantize_weight(torch.randn(out_f, in_f, device=device, generator=g) / in_f ** 0.5)
+    x = torch.randn(tokens, in_f, device=device, dtype=dtype, generator=g)
+    poison(device, tokens * out_f * 4)
+    got = fp8_linear.fp8_block_linear(x, weight, scale)
+    q, s = quantize_groups(x)
+    xd = (q.float().view(tokens, -1, 128) * s[..., None]).view(tokens, in_f)
+    wd = weight.float() * scale.repeat_interleave(128, 0).repeat_interleave(128, 1)[:out_f]
+    row = {"tokens": tokens, "out": out_f, "in": in_f, "rel_l2": rel(got, xd @ wd.T), "nan": bool(got.isnan().any())}
+    if device.type == "cuda":
+        flops = 2.0 * tokens * out_f * in_f
+        row["tflops"] = flops / timed(lambda: fp8_linear.fp8_block_linear(x, weight, scale), device, reps) / 1e12
+        wb = (weight.float() * 1).to(dtype)
+        row["bf16_mm_tflops"] = flops / timed(lambda: x @ wb.T, device, reps) / 1e12
+        try:  # the FP8 GEMM torch has (one scale a row and a column: not the checkpoint's blocks)
+            xq, wq = x.to(torch.float8_e4m3fn), weight
+            one_x = torch.ones(tokens, 1, device=device)
+            one_w = torch.ones(1, out_f, device=device)
+            row["scaled_mm_tflops"] = flops / timed(lambda: torch._scaled_mm(xq, wq.T, one_x, one_w, out_dtype=dtype),
+                                                    device, reps) / 1e12
+        except Exception as e:  # noqa: BLE001
+            row["scaled_mm"] = f"{type(e).__name__}: {str(e)[:200]}"
+    return row
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tokens", type=int, default=16384, help="tokens of one batch")
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--smoke", action="store_true", help="CPU, tiny shapes (the interpreter)")
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args(argv)
+    device = torch.device("cpu" if a.smoke or not torch.cuda.is_available() else "cuda")
+    dtype = torch.bfloat16
+    tokens = 40 if device.type == "cpu" else a.tokens
+    res = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "tokens": tokens,
+           "quantize": {}, "experts": {}, "linears": {}}
+    for rows, cols in ((1, 2048), (37, 7168), (tokens, 7168)):
+        x = torch.randn(rows, cols, device=device, dtype=dtype) * torch.logspace(-3, 3, cols, device=device).to(dtype)
+        q, s = fused_moe.quantize_groups(x)
+        wq, ws = quantize_groups(x)
+        res["quantize"][f"{rows}x{cols}"] = {"bytes_equal": bool(torch.equal(q.view(torch.uint8), wq.view(torch.uint8))
+                                                                 and torch.equal(s, ws))}
+    for name in EXPERTS:
+        res["experts"][name] = check_experts(name, tokens, device, dtype, a.reps)
+        print(name, json.dumps(res["experts"][name]), flush=True)
+    for name, (out_f, in_f) in (LINEARS if device.type == "cuda" else {"smoke": SMOKE_LINEAR}).items():
+        res["linears"][name] = check_linear(out_f, in_f, tokens, device, dtype, a.reps)
+        print(name, json.dumps(res["linears"][name]), flush=True)
+    print("quantize", json.dumps(res["quantize"]), flush=True)
+    if a.out:
+        Path(a.out).write_text(json.dumps(res, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
