@@ -27,7 +27,8 @@ from eagle3.errors import ConfigError
 NAME = "triton_fused"
 PARAM = f"extract param experts_implementation={NAME!r}"
 WEIGHT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-FP8_BLOCK, FP8_MAX = 128, 448.0  # DeepSeek-V3's FP8 checkpoint: 128 x 128 weight blocks; e4m3's largest value
+FP8_BLOCK = 128  # DeepSeek-V3's FP8 checkpoint: 128 x 128 weight blocks
+FP8_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
 
 
 def kernels(device: torch.device, fp8: bool = False):

@@ -28,7 +28,7 @@ from eagle3.faults import InjectedFault, maybe_inject_fault
 
 log = logging.getLogger(__name__)
 
-FP8_MAX = 448.0
+FP8_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
 
 
 class StateBuffers:
