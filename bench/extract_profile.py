@@ -26,9 +26,10 @@ KINDS = [
     # also runs an FP8 checkpoint's linears, which then count here too
     ("experts_gemm", re.compile(r"group|_grouped_mm|ptr_array|gate_up_kernel|down_kernel", re.I)),
     ("fp8_quantize", re.compile(r"quantize_kernel", re.I)),
+    # before gemm: cuDNN's attention kernels are named like GEMMs (..._sdpa_sm90_flash_fprop_wgmma_...)
+    ("attention", re.compile(r"flash|fmha|attention|sdpa", re.I)),
     ("gemm", re.compile(r"gemm|xmma|nvjet|cutlass|cublas|triton_tem|aten::(mm|bmm|addmm|linear|matmul)\b|sm90_",
                         re.I)),  # triton_tem: Inductor's GEMM templates
-    ("attention", re.compile(r"flash|fmha|attention|sdpa|cudnn", re.I)),
     ("routing", re.compile(r"sort|topk|radix|scatter|gather|index|histc|histogram|bincount|cumsum|scan|masked|"
                            r"nonzero", re.I)),
     ("fused_elementwise", re.compile(r"^triton_", re.I)),

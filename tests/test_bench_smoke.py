@@ -126,6 +126,7 @@ def test_profile_sorts_gpu_kernel_names_by_kind():
         "triton_poi_fused_add_mul_silu_0",
         "pytorch_flash::flash_fwd_kernel<", "at::native::kernelHistogram1D<", "cub::DeviceRadixSortOnesweepKernel",
         "at::native::indexSelectLargeIndex<", "Memcpy DtoH (Device -> Pinned)", "at::native::reduce_kernel<",
-        "gate_up_kernel", "down_kernel", "quantize_kernel")] == [
+        "gate_up_kernel", "down_kernel", "quantize_kernel",
+        "cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_7_64x128x128_4x1x1_cga1x1x1_kernel0_0")] == [
         "experts_gemm", "gemm", "gemm", "gemm", "fused_elementwise", "attention", "routing", "routing", "routing",
-        "copy", "other", "experts_gemm", "experts_gemm", "fp8_quantize"]
+        "copy", "other", "experts_gemm", "experts_gemm", "fp8_quantize", "attention"]

@@ -204,7 +204,8 @@ def check_experts(module) -> None:
               "gate and up concatenated": getattr(module, "is_concatenated", False),
               "untransposed weights": not getattr(module, "is_transposed", True),
               "no bias": not getattr(module, "has_bias", True),
-              "no post-expert norm": not getattr(module, "has_post_expert_norm", True),
+              # (a transformers before post-expert norms has no such attribute, nor any such norm)
+              "no post-expert norm": not getattr(module, "has_post_expert_norm", False),
               "the SiLU activation": isinstance(getattr(module, "act_fn", None), torch.nn.SiLU)
               or type(getattr(module, "act_fn", None)).__name__ == "SiLUActivation",
               "a plain SwiGLU (no clamp, softcap or alpha)": all(getattr(module, a, None) is None for a in
