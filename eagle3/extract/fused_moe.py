@@ -218,6 +218,17 @@ def check_experts(module) -> None:
                           f"use 'grouped_mm'")
 
 
+def reads(modules) -> bool:
+    """Can the kernels run these experts modules (layout checked, triton installed)?"""
+    try:
+        for module in modules:
+            check_experts(module)
+        kernels(torch.device("cpu"))
+    except ConfigError:
+        return False
+    return True
+
+
 def register(experts_modules) -> None:
     """Check each experts module and make NAME one of transformers' experts implementations (an FP8 checkpoint's
     experts dispatch through transformers' FP8 interface: there too)."""

@@ -24,11 +24,11 @@ EXPERTS_CHOICES = ("auto", "eager", "batched_mm", "grouped_mm", "triton_fused")
 COMPILE_SCOPES = ("auto", "layers", "moe-blocks")
 CLASS_DEFAULTS = {
     "dense": {"experts_implementation": None, "compile_scope": "layers"},
-    "moe": {"experts_implementation": "grouped_mm", "compile_scope": "layers"},
+    "moe": {"experts_implementation": fused_moe.NAME, "compile_scope": "layers"},
     "mla": {"experts_implementation": None, "compile_scope": "layers"},  # not measured: as dense
-    # measured with these (H200, 2026-12-05: 41% of the roofline); no other lever compared yet
-    "moe-mla": {"experts_implementation": "grouped_mm", "compile_scope": "layers"},
+    "moe-mla": {"experts_implementation": fused_moe.NAME, "compile_scope": "layers"},
 }
+FALLBACK_EXPERTS = "grouped_mm"  # where the fused kernels cannot run compiled (auto_experts)
 
 
 def model_class(model) -> str:
@@ -43,12 +43,25 @@ def resolve(model, experts: str, compile_scope: str) -> dict:
     if experts != "auto" and d["experts_implementation"] is None:
         raise ConfigError(f"extract param experts_implementation={experts!r}: the target is {cls}, it has no routed "
                           f"experts; use 'auto'")
-    auto = d["experts_implementation"]
-    if auto and any(getattr(getattr(m, "gate_up_proj", None), "dtype", None) == torch.float8_e4m3fn
-                for m in experts_modules(model)):
-        auto = fused_moe.NAME  # FP8 experts: transformers' FP8 kernels come from the hub, the project's do not
+    modules = experts_modules(model)
+    device = modules[0].gate_up_proj.device if modules else None
+    auto = auto_experts(d["experts_implementation"], modules, device)
     return {"class": cls, "experts_implementation": auto if experts == "auto" else experts,
             "compile_scope": d["compile_scope"] if compile_scope == "auto" else compile_scope}
+
+
+def auto_experts(default: str | None, modules: list, device: torch.device | None) -> str | None:
+    """What "auto" runs: the class default where the project's fused kernels run compiled (a GPU, triton there,
+    a layout they read), else transformers' grouped_mm (on the CPU Triton interprets the kernels: many times
+    slower). Experts in float8 (an FP8 checkpoint's) take the fused kernels anywhere: transformers' FP8 kernels
+    come from the hub, the project's do not."""
+    if default is None or not modules:
+        return default
+    if getattr(getattr(modules[0], "gate_up_proj", None), "dtype", None) == torch.float8_e4m3fn:
+        return fused_moe.NAME
+    if default == fused_moe.NAME and not (device is not None and device.type == "cuda" and fused_moe.reads(modules)):
+        return FALLBACK_EXPERTS
+    return default
 
 
 def apply_experts_implementation(model, name: str | None) -> None:
