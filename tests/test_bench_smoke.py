@@ -130,3 +130,17 @@ def test_profile_sorts_gpu_kernel_names_by_kind():
         "cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_7_64x128x128_4x1x1_cga1x1x1_kernel0_0")] == [
         "experts_gemm", "gemm", "gemm", "gemm", "fused_elementwise", "attention", "routing", "routing", "routing",
         "copy", "other", "experts_gemm", "experts_gemm", "fp8_quantize", "attention"]
+
+
+def test_kernels_check_smoke_checks_each_kernel_against_its_definition(tmp_path):
+    """bench/kernels_check.py's CPU mode: the same checks the GPU figures come from, in Triton's interpreter."""
+    pytest.importorskip("triton")
+    from bench import kernels_check
+
+    out = tmp_path / "kernels.json"
+    assert kernels_check.main(["--smoke", "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    for row in res["experts"].values():
+        assert row["bf16_rel_l2"] < 0.02 and row["fp8_rel_l2"] < 0.05 and not row["bf16_nan"] and not row["fp8_nan"]
+    assert all(r["rel_l2"] < 0.01 and not r["nan"] for r in res["linears"].values()) and res["linears"]
+    assert all(q["bytes_equal"] and q["values_equal_at_kernel_scales"] for q in res["quantize"].values())
