@@ -157,13 +157,17 @@ def check_linear(out_f, in_f, tokens, device, dtype, reps) -> dict:
     return row
 
 
-def main(argv=None) -> int:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokens", type=int, default=16384, help="tokens of one batch")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny shapes (the interpreter)")
     ap.add_argument("--out", default=None)
-    a = ap.parse_args(argv)
+    return ap
+
+
+def main(argv=None) -> int:
+    a = parser().parse_args(argv)
     device = torch.device("cpu" if a.smoke or not torch.cuda.is_available() else "cuda")
     dtype = torch.bfloat16
     tokens = 40 if device.type == "cpu" else a.tokens

@@ -24,10 +24,13 @@ EXPERTS_CHOICES = ("auto", "eager", "batched_mm", "grouped_mm", "triton_fused")
 COMPILE_SCOPES = ("auto", "layers", "moe-blocks")
 CLASS_DEFAULTS = {
     "dense": {"experts_implementation": None, "compile_scope": "layers"},
-    "moe": {"experts_implementation": fused_moe.NAME, "compile_scope": "layers"},
+    "moe": {"experts_implementation": "grouped_mm", "compile_scope": "layers"},
     "mla": {"experts_implementation": None, "compile_scope": "layers"},  # not measured: as dense
-    "moe-mla": {"experts_implementation": fused_moe.NAME, "compile_scope": "layers"},
+    # measured with these (H200, 2026-12-05: 41% of the roofline); no other lever compared yet
+    "moe-mla": {"experts_implementation": "grouped_mm", "compile_scope": "layers"},
 }
+# Candidate for both MoE rows: fused_moe.NAME, 2.3x transformers' grouped_mm path on the experts step alone (H100,
+# 2026-12-05, docs/benchmarks.md); not yet on the whole extractor. auto_experts keeps it to where it runs compiled.
 FALLBACK_EXPERTS = "grouped_mm"  # where the fused kernels cannot run compiled (auto_experts)
 
 
