@@ -154,7 +154,7 @@ def routing_load(model, ids: torch.Tensor) -> dict:
 
 # -- the experts' GEMMs alone ---------------------------------------------------------------------------
 
-def _timed(fn, device, reps: int) -> float:
+def median_time(fn, device, reps: int) -> float:
     fn()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -202,11 +202,11 @@ def expert_gemm_ceiling(cfg, tokens: int, device, dtype, counts=None, reps: int 
     dense = lambda: (x @ dense_up)[:, :I] @ dense_down  # noqa: E731
     for name, fn in kernels.items():
         try:
-            out["kernels"][name] = flops / _timed(fn, device, reps)
+            out["kernels"][name] = flops / median_time(fn, device, reps)
         except (RuntimeError, NotImplementedError, TypeError) as e:  # a kernel this device/dtype lacks
             out["kernels"][name] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
     rates = [v for v in out["kernels"].values() if isinstance(v, float)]
-    out["dense_same_rows"] = flops / _timed(dense, device, reps)
+    out["dense_same_rows"] = flops / median_time(dense, device, reps)
     out["ceiling"] = max(rates) if rates else None
     out["ceiling_over_dense"] = out["ceiling"] / out["dense_same_rows"] if rates else None
     if experts is not None and hasattr(experts, "num_experts"):
@@ -237,7 +237,7 @@ def experts_block_rates(experts, counts: np.ndarray, x: torch.Tensor, flops: flo
         try:
             with torch.inference_mode():
                 results[name] = fn()
-                out[name] = flops / _timed(fn, device, reps)
+                out[name] = flops / median_time(fn, device, reps)
         except Exception as e:  # noqa: BLE001 (a kernel this device lacks, triton missing: the row says why)
             out[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
     if len(results) == 2:  # a fast kernel that computes something else would be no lever: its error beside

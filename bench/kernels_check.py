@@ -18,15 +18,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.extract_moe import median_time as timed  # noqa: E402
 from eagle3.extract import fp8_linear, fused_moe  # noqa: E402
 from tests.support.fp8 import quantize_groups  # noqa: E402
 
@@ -42,20 +41,6 @@ def poison(device: torch.device, nbytes: int) -> None:
     if device.type == "cuda":
         torch.full((nbytes // 4,), float("nan"), device=device).view(-1)
         torch.cuda.synchronize(device)
-
-
-def timed(fn, device, reps: int) -> float:
-    fn()
-    times = []
-    for _ in range(reps):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        t0 = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def rel(got: torch.Tensor, want: torch.Tensor) -> float:
