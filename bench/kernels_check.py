@@ -8,7 +8,8 @@ Rows (each: relative L2 error against the definition and the time of one call, m
 - experts-bf16 / experts-fp8: the fused routed experts of one batch at the Qwen3-30B-A3B and DeepSeek-V3 widths,
   as FLOP/s of their GEMMs, beside transformers' grouped_mm path on the same batch (bf16);
 - linear-fp8: one FP8 checkpoint linear (DeepSeek-V3's widths, MLA's 576-row kv_a_proj_with_mqa among them) beside
-  torch._scaled_mm's FP8 GEMM (per-row scales) and a bf16 GEMM of the same shape.
+  torch._scaled_mm's FP8 GEMM (one scale per tensor) and a bf16 GEMM of the same shape; its input's quantization
+  and its GEMM timed apart; and torch's block-scaled FP8 GEMM on the checkpoint's own layout (the lever to try).
 
     python3 bench/kernels_check.py --out $OUT/kernels.json        # H200: ~1 minute, autotuning included
     python bench/kernels_check.py --smoke                          # CPU: tiny shapes, the interpreter
@@ -139,7 +140,34 @@ def check_linear(out_f, in_f, tokens, device, dtype, reps) -> dict:
                                                     device, reps) / 1e12
         except Exception as e:  # noqa: BLE001
             row["scaled_mm"] = f"{type(e).__name__}: {str(e)[:200]}"
+        # where the time goes: the input's quantization alone, the GEMM alone on an input already quantized
+        xq, xs = fused_moe.quantize_groups(x)
+        row["quantize_ms"] = 1e3 * timed(lambda: fused_moe.quantize_groups(x), device, reps)
+        row["gemm_only_tflops"] = flops / timed(lambda: fp8_linear.fp8_block_gemm(xq, xs, weight, scale, dtype),
+                                                device, reps) / 1e12
+        row.update(block_scaled_mm(xq, xs, weight, scale, dtype, got, flops, device, reps))
     return row
+
+
+def block_scaled_mm(xq, xs, weight, scale, dtype, want, flops, device, reps) -> dict:
+    """The lever: torch's block-scaled FP8 GEMM (cuBLASLt >= 12.9 on Hopper), activations in 1 x 128 blocks and
+    weights in 128 x 128 blocks, the checkpoint's own layout; its speed and its distance from the Triton kernel's
+    result. Scales outer-dim-major, as torch's own tests lay them out (they pad the weight's K blocks to a multiple
+    of 4: DeepSeek-V3's K blocks, 56, 12 and 128, are already)."""
+    try:
+        from torch.nn.functional import ScalingType, scaled_mm
+
+        sa, sb = xs.t().contiguous().t(), scale.contiguous().t()  # [T, K/128] and [K/128, N/128], outer dim fastest
+
+        def run():
+            return scaled_mm(xq, weight.t(), sa, ScalingType.BlockWise1x128, sb, ScalingType.BlockWise128x128,
+                             output_dtype=dtype)
+
+        got = run()
+        return {"block_scaled_mm_tflops": flops / timed(run, device, reps) / 1e12,
+                "block_scaled_mm_rel_l2_vs_triton": rel(got, want)}
+    except Exception as e:  # noqa: BLE001 (a torch or cuBLAS without it, or another layout rule: the row says which)
+        return {"block_scaled_mm": f"{type(e).__name__}: {str(e)[:300]}"}
 
 
 def parser() -> argparse.ArgumentParser:

@@ -25,23 +25,29 @@ PARAM = "extract param fp8_linear"
 def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """x [..., K] @ (weight * scale).T: weight float8 e4m3 [N, K], scale float32 [ceil(N / 128), K / 128]; the
     GEMM runs in FP8, x quantized per token and 128 values first (`quantize_groups`)."""
-    shape, (n, k) = x.shape, weight.shape
-    x2 = x.reshape(-1, k)
-    t = x2.shape[0]
-    block_m = block_m_for(t, 1, x.device)
+    k = weight.shape[1]
+    xq, xs = quantize_groups(x.reshape(-1, k))
+    return fp8_block_gemm(xq, xs, weight, scale, x.dtype).view(*x.shape[:-1], weight.shape[0])
+
+
+def fp8_block_gemm(xq: torch.Tensor, xs: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+                   out_dtype: torch.dtype) -> torch.Tensor:
+    """[T, N] in `out_dtype` = (xq * xs) @ (weight * scale).T for an input already quantized (xq float8 [T, K], xs
+    float32 [T, K / 128]): the fused experts' down kernel with one expert and every row its own pair."""
+    (t, k), n = xq.shape, weight.shape[0]
+    block_m = block_m_for(t, 1, xq.device)
     capacity = -(-t // block_m) * block_m
-    rows = torch.arange(capacity, dtype=torch.int32, device=x.device).clamp_(max=t)  # t: the padding sentinel
-    one_expert = torch.zeros(capacity // block_m, dtype=torch.int32, device=x.device)
-    ones = torch.ones(t, dtype=torch.float32, device=x.device)
-    xq, xs = quantize_groups(x2)
-    _, down, tiles = kernels(x.device, fp8=True)
+    rows = torch.arange(capacity, dtype=torch.int32, device=xq.device).clamp_(max=t)  # t: the padding sentinel
+    one_expert = torch.zeros(capacity // block_m, dtype=torch.int32, device=xq.device)
+    ones = torch.ones(t, dtype=torch.float32, device=xq.device)
+    _, down, tiles = kernels(xq.device, fp8=True)
     w, s = weight.contiguous(), scale.contiguous()
-    out = torch.empty(t, n, dtype=x.dtype, device=x.device)
+    out = torch.empty(t, n, dtype=out_dtype, device=xq.device)
     down[lambda meta: (-(-n // meta["BLOCK_N"]) * (capacity // block_m),)](
         xq, w, out, rows, one_expert, ones, xs, s, t, 1, capacity // block_m, n, k,
         xq.stride(0), 0, w.stride(0), out.stride(0), xs.stride(0), 0, s.stride(0),
-        BLOCK_M=block_m, UPCAST=x.device.type != "cuda", FP8=True, **tiles)
-    return out.view(*shape[:-1], n)
+        BLOCK_M=block_m, UPCAST=xq.device.type != "cuda", FP8=True, **tiles)
+    return out
 
 
 @fp8_block_linear.register_fake
