@@ -8,7 +8,7 @@ Rows (each: relative L2 error against the definition and the time of one call, m
 - experts-bf16 / experts-fp8: the fused routed experts of one batch at the Qwen3-30B-A3B and DeepSeek-V3 widths,
   as FLOP/s of their GEMMs, beside transformers' grouped_mm path on the same batch (bf16);
 - linear-fp8: one FP8 checkpoint linear (DeepSeek-V3's widths, MLA's 576-row kv_a_proj_with_mqa among them) beside
-  torch._scaled_mm's FP8 GEMM (one scale per tensor) and a bf16 GEMM of the same shape; its input's quantization
+  torch._scaled_mm's FP8 GEMM (row-wise scales, all ones) and a bf16 GEMM of the same shape; its input's quantization
   and its GEMM timed apart; and torch's block-scaled FP8 GEMM on the checkpoint's own layout (the lever to try).
 
     python3 bench/kernels_check.py --out $OUT/kernels.json        # H200: ~1 minute, autotuning included
@@ -130,9 +130,9 @@ def check_linear(out_f, in_f, tokens, device, dtype, reps) -> dict:
     if device.type == "cuda":
         flops = 2.0 * tokens * out_f * in_f
         row["tflops"] = flops / timed(lambda: fp8_linear.fp8_block_linear(x, weight, scale), device, reps) / 1e12
-        wb = (weight.float() * 1).to(dtype)
+        wb = weight.to(dtype)
         row["bf16_mm_tflops"] = flops / timed(lambda: x @ wb.T, device, reps) / 1e12
-        try:  # the FP8 GEMM torch has (one scale a row and a column: not the checkpoint's blocks)
+        try:  # torch's FP8 GEMM with row-wise scales (all ones here: not the checkpoint's blocks)
             xq, wq = x.to(torch.float8_e4m3fn), weight
             one_x = torch.ones(tokens, 1, device=device)
             one_w = torch.ones(1, out_f, device=device)
