@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.extract_moe import median_time as timed  # noqa: E402
 from eagle3.extract import fp8_linear, fused_moe  # noqa: E402
-from tests.support.fp8 import quantize_groups  # noqa: E402
+from tests.support.fp8 import dequantize, quantize_groups  # noqa: E402
 
 # (name, hidden, expert width, experts, top k)
 EXPERTS = {"qwen3-30b-a3b": (2048, 768, 128, 8), "dsv3": (7168, 2048, 256, 8)}
@@ -50,15 +50,12 @@ def rel(got: torch.Tensor, want: torch.Tensor) -> float:
 
 def experts_reference(x, idx, w, gate_up, down, up_scale=None, down_scale=None):
     """The routed experts' sum in float32, one expert at a time; with scales the FP8 scheme (activations
-    quantized per token and 128 values, weights dequantized per 128 x 128 block)."""
+    quantized per token and 128 values, weights dequantized per 128 x 128 block: tests/support/fp8.py)."""
     def deq(q, s):
-        return q.float() * s.repeat_interleave(128, -2).repeat_interleave(128, -1)[..., :q.shape[-2], :q.shape[-1]]
+        return dequantize(q, s).float()
 
     def act(v):
-        if up_scale is None:
-            return v.float()
-        q, s = quantize_groups(v)
-        return (q.float().view(*s.shape, 128) * s[..., None]).view(v.shape)
+        return v.float() if up_scale is None else deq(*quantize_groups(v))
 
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     xa = act(x)
@@ -123,9 +120,7 @@ def check_linear(out_f, in_f, tokens, device, dtype, reps) -> dict:
     x = torch.randn(tokens, in_f, device=device, dtype=dtype, generator=g)
     poison(device, tokens * out_f * 4)
     got = fp8_linear.fp8_block_linear(x, weight, scale)
-    q, s = quantize_groups(x)
-    xd = (q.float().view(tokens, -1, 128) * s[..., None]).view(tokens, in_f)
-    wd = weight.float() * scale.repeat_interleave(128, 0).repeat_interleave(128, 1)[:out_f]
+    xd, wd = dequantize(*quantize_groups(x)).float(), dequantize(weight, scale).float()
     row = {"tokens": tokens, "out": out_f, "in": in_f, "rel_l2": rel(got, xd @ wd.T), "nan": bool(got.isnan().any())}
     if device.type == "cuda":
         flops = 2.0 * tokens * out_f * in_f

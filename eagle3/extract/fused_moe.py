@@ -218,12 +218,17 @@ def check_experts(module) -> None:
                           f"use 'grouped_mm'")
 
 
+def check_runnable(modules) -> None:
+    """ConfigError, naming the param, unless the kernels read every module's layout and triton is installed."""
+    for module in modules:
+        check_experts(module)
+    kernels(torch.device("cpu"))
+
+
 def reads(modules) -> bool:
-    """Can the kernels run these experts modules (layout checked, triton installed)?"""
+    """Can the kernels run these experts modules (`check_runnable` without the error)?"""
     try:
-        for module in modules:
-            check_experts(module)
-        kernels(torch.device("cpu"))
+        check_runnable(modules)
     except ConfigError:
         return False
     return True
@@ -235,8 +240,6 @@ def register(experts_modules) -> None:
     from transformers.integrations.finegrained_fp8 import FP8ExpertsInterface
     from transformers.integrations.moe import ExpertsInterface
 
-    for module in experts_modules:
-        check_experts(module)
-    kernels(torch.device("cpu"))  # triton is there
+    check_runnable(experts_modules)
     ExpertsInterface.register(NAME, experts_forward)
     FP8ExpertsInterface.register(NAME, experts_forward)
