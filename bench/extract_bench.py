@@ -208,10 +208,17 @@ def measure_fp8_weights(b: Bench, name: str, t: Target, best: dict, blocks: bool
     experts = fp8_experts_fit(model)  # a MoE target's experts in FP8 too, through the fused kernels
     method = quantize_fp8_blocks(model) if blocks else quantize_fp8(model, experts=experts)
     params = {**best["params"], **({"experts_implementation": "triton_fused"} if experts else {})}
-    v = warm_and_run(b, t, best["writer_threads"], model=model, **params)
+    linears = b.args.fp8_linear.split(",") if blocks else ["auto"]
+    runs = {x: warm_and_run(b, t, best["writer_threads"], model=model, fp8_linear=x, **params) for x in linears}
+    v = runs[linears[0]]
+    for x, w in list(runs.items())[1:]:  # the other FP8 linear kernels, side by side with the first
+        print(f"[{name}] fp8_linear={x}: {w['tok_per_s_wall']:.0f} tok/s wall, {w['steady_tok_per_s']:.0f} steady "
+              f"({w['steady_tok_per_s'] / max(v['steady_tok_per_s'], 1e-9):.2f}x {linears[0]}'s)", flush=True)
     n = min(256, *(len(s) for s in t.samples[:2]))
     ids = torch.tensor([s[:n] for s in t.samples[:2]], device=b.device)
-    r = {"method": method, "extractor": v, "wall_over_reference": v["tok_per_s_wall"] / best["tok_per_s_wall"],
+    rates = {x: {k: w.get(k) for k in ("tok_per_s_wall", "steady_tok_per_s")} for x, w in runs.items()}
+    r = {"method": method, "extractor": v, "fp8_linear": rates,
+         "wall_over_reference": v["tok_per_s_wall"] / best["tok_per_s_wall"],
          "steady_over_reference": v["steady_tok_per_s"] / max(best["steady_tok_per_s"], 1e-9),
          "state_error": states_error(t.model, model, t.layers, b.dtype_name, ids,
                                      experts=params.get("experts_implementation", "auto"))}
@@ -347,6 +354,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--fp8", default="", help="models also measured with fp8 *storage* (comma list)")
     ap.add_argument("--fp8-weights", default="", help="models also measured quantized to FP8 on load, through the "
                     "fastest variant: rate and state error against it (comma list; GPU: torchao, CPU: simulated)")
+    ap.add_argument("--fp8-linear", default="auto", help="with --fp8-blocks: the FP8 linears' kernels, side by side "
+                    "(extract param fp8_linear), e.g. triton,scaled_mm; the first is the row's figure")
     ap.add_argument("--fp8-blocks", default="", help="models also measured in DeepSeek-V3's FP8 checkpoint layout "
                     "(decoder linears and routed experts in float8 128 x 128 blocks, the project's kernels), through "
                     "the fastest variant: rate and state error against it (comma list)")

@@ -111,6 +111,10 @@ def measure_moe(b, name: str, t, best: dict, roofline: float, matmul: float, len
             skew_ceiling = expert_gemm_ceiling(cfg, t.budget, b.device, b.dtype, counts=load["first_layer_counts"],
                                                experts=experts)
             v = warm_and_run(b, t, best["writer_threads"], **best["params"])
+        except (RuntimeError, ValueError) as e:  # an OOM costs the row, not the figures above it
+            out["skewed"] = {"exponent": b.args.skew, "error": f"{type(e).__name__}: {e}"}
+            print(f"[{name}] skewed router: failed: {out['skewed']['error'][:300]}", flush=True)
+            return out
         finally:
             restore_router(t.model, saved)
         out["skewed"] = {"exponent": b.args.skew, "routing": load, "expert_ceiling": skew_ceiling,

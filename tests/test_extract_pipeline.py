@@ -197,6 +197,18 @@ def test_memory_check_sizes_the_largest_batch_not_the_budget(tiny_model, tmp_pat
     assert tiny_run(tiny_model, long_spec, tmp_path / "out")["complete"]
 
 
+def test_free_gpu_memory_counts_what_torch_holds_unused(monkeypatch):
+    """A second shard in one process (the bench, a worker's retry) finds the first one's batches cached by torch's
+    allocator: the driver calls them taken, the next batch reuses them."""
+    from eagle3.extract.memory import free_device_memory
+
+    gib = 1 << 30
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (1 * gib, 80 * gib))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 60 * gib)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: 31 * gib)
+    assert free_device_memory(torch.device("cuda", 0)) == 30 * gib
+
+
 def test_out_of_memory_advice_passes_its_own_check(tiny_model, spec, tmp_path, monkeypatch):
     """The budget the check advises is one the same check accepts; at the knob's floor it says what else helps."""
     import re

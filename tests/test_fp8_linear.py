@@ -6,6 +6,7 @@ layouts it refuses."""
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -183,6 +184,24 @@ def test_choices_switch_back_and_forth_and_bad_layouts_are_refused():
         fp8_linear.apply(model, "auto")
     dense = torch.nn.Sequential(torch.nn.Linear(4, 4))
     assert fp8_linear.apply(dense, "auto") is None  # nothing in FP8: nothing to do
+
+
+def test_torch_block_scaled_gemm_is_refused_where_it_cannot_run():
+    """torch's block-scaled FP8 GEMM, asked for where it cannot run (the CPU), is refused naming the param; the
+    linears it would not take as they are keep the Triton kernel. Its numbers are the GPU's (bench/kernels_check.py:
+    2e-5 from the Triton kernel's on an H100)."""
+    _, model = fp8_checkpoint_model()
+    assert not fp8_linear.scaled_mm_runs(torch.device("cpu"))
+    with pytest.raises(ConfigError, match="fp8_linear='scaled_mm': torch's block-scaled FP8 GEMM runs on a Hopper "
+                                          "GPU with torch 2.10\\+, not on cpu; use 'auto' or 'triton'"):
+        fp8_linear.apply(model, "scaled_mm")
+    # the shapes cuBLASLt takes as they are: DeepSeek-V3's q_a (7168 -> 1536), kv_a (7168 -> 576), o (16384 -> 7168)
+    shape = SimpleNamespace
+    assert all(fp8_linear.scaled_mm_takes(shape(in_features=k, out_features=n))
+               for k, n in [(7168, 1536), (7168, 576), (16384, 7168), (512, 32768)])
+    # a K of 6 blocks (Qwen3-30B-A3B's expert width 768) or an N off 16 run the Triton kernel
+    assert not fp8_linear.scaled_mm_takes(shape(in_features=768, out_features=2048))
+    assert not fp8_linear.scaled_mm_takes(shape(in_features=7168, out_features=100))
 
 
 def test_quantize_linears_builds_the_modules_of_an_fp8_checkpoint():

@@ -154,6 +154,29 @@ def test_moe_shard_killed_mid_shard_resumes_byte_identical(model_type, targets, 
     assert chunk_bytes(Path(resumed["shard_dir"])) == chunk_bytes(Path(whole["shard_dir"]))
 
 
+def test_resume_refuses_auto_running_other_kernels(targets, merged, tmp_path, monkeypatch):
+    """"auto" resolves per version and device: chunks record the kernel it ran, a resume where it would run
+    another is refused naming the value, and that explicit value resumes byte-identical."""
+    spec, _ = merged
+    whole = run(targets["qwen3_moe"], tmp_path / "whole", spec)
+    monkeypatch.setenv(FAULT_ENV, f"shard=0,after_chunks=2,once_file={tmp_path / 'once'}")
+    with pytest.raises(InjectedFault):
+        run(targets["qwen3_moe"], tmp_path / "cut", spec)
+    shard = tmp_path / "cut" / "shard-00000"
+    assert ShardManifest.load(shard).params["kernels"] == {"experts_implementation": "grouped_mm",
+                                                           "fp8_linear": None}  # the CPU's fallback
+    monkeypatch.setattr(moe, "FALLBACK_EXPERTS", "batched_mm")  # as another version's default would
+    with pytest.raises(ConfigError, match="2 chunks were extracted with experts_implementation running "
+                                          "'grouped_mm'.*re-run with experts_implementation='grouped_mm'"):
+        run(targets["qwen3_moe"], tmp_path / "cut", spec)
+    resumed = run(targets["qwen3_moe"], tmp_path / "cut", spec, experts_implementation="grouped_mm")
+    assert resumed["resumed_from_chunk"] == 2 and resumed["complete"]
+    assert chunk_bytes(shard) == chunk_bytes(Path(whole["shard_dir"]))
+    m = ShardManifest.load(shard)
+    assert m.params["states"]["experts_implementation"] == "auto"  # pinned, not switched
+    assert m.fingerprint == ShardManifest.load(Path(whole["shard_dir"])).fingerprint
+
+
 def test_class_defaults_and_refusals(targets):
     from eagle3.models import load_model
 

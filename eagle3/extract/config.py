@@ -29,7 +29,7 @@ ATTENTION_CHOICES = ("auto", "flash", "cudnn", "efficient", "math")
 EXPERTS_CHOICES = ("auto", "eager", "batched_mm", "grouped_mm", "triton_fused")
 COMPILE_SCOPES = ("auto", "layers", "moe-blocks")
 COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")  # eagle3.extract.backend's (a test holds them equal)
-FP8_LINEAR_CHOICES = ("auto", "transformers", "triton")  # eagle3.extract.fp8_linear's (a test holds them equal)
+FP8_LINEAR_CHOICES = ("auto", "transformers", "triton", "scaled_mm")  # = eagle3.extract.fp8_linear.CHOICES (tested)
 STATE_PARAMS = ("model_path", "capture_layers", "dtype", "storage_dtype", "backend", "attention",
                 "experts_implementation", "compile_mode", "fp8_linear")
 # state params added after shards were extracted without them: what those shards ran with (an FP8 checkpoint's
@@ -94,8 +94,9 @@ class ExtractConfig:
     # a state param: the two kernels quantize the activations alike but sum in another order
     fp8_linear: str = knob("auto", choices=FP8_LINEAR_CHOICES,
                            help="FP8 checkpoints (128 x 128 blocks, as DeepSeek-V3 ships): the linears' kernel. "
-                                "triton: the project's (eagle3.extract.fp8_linear, no hub); transformers: its "
-                                "finegrained-fp8 or DeepGEMM kernels, fetched from the hub; auto = triton.")
+                                "triton: the project's (eagle3.extract.fp8_linear, no hub); scaled_mm: torch's "
+                                "block-scaled FP8 GEMM (Hopper); transformers: its finegrained-fp8 or DeepGEMM "
+                                "kernels, fetched from the hub; auto = triton.")
     compile_cache_dir: str = knob("auto", help="torch's compile caches, shared by the shard tasks of a worker: auto "
                                                "= $EAGLE3_COMPILE_CACHE or ~/.cache/eagle3/compile/<host>; off = "
                                                "torch's default; else a folder (eagle3.extract.compile_cache).")

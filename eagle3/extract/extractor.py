@@ -45,6 +45,7 @@ from eagle3.models import model_info
 log = logging.getLogger(__name__)
 
 STORAGE_DTYPES = {**DTYPES, FP8: torch.float8_e4m3fn}
+KERNEL_PARAMS = ("experts_implementation", "fp8_linear")  # state params whose "auto" is resolved at load (backend)
 BACKENDS = {"hf": HFBackend, "fused-llama": FusedLlamaBackend}
 
 
@@ -150,13 +151,35 @@ class ShardExtractor:
         if not isinstance(old, dict):
             raise ConfigError(f"{path}: {len(m.chunks)} chunks were committed by an older version that recorded "
                               f"no state params; delete {self.shard_dir} to extract the shard again")
-        old = {**ADDED_STATE_PARAMS, **old}
+        old, ran = {**ADDED_STATE_PARAMS, **old}, m.params.get("kernels", {})
         for name, new in self.states.items():
+            if old.get(name) == "auto" and name in ran and new == ran[name]:
+                self.states[name] = "auto"  # an explicit value naming what "auto" ran: the same states
+                continue
             if old.get(name) != new:
                 raise ConfigError(
                     f"{path}: {len(m.chunks)} chunks are committed with {name}={old.get(name)!r}, this run has "
                     f"{name}={new!r}; the stored states would mix: re-run with {name}={old.get(name)!r}, or delete "
                     f"{self.shard_dir} to extract the shard again")
+        self.fingerprint = fingerprint(self.states)
+
+    def _record_kernels(self, m: ShardManifest, backend: ExtractionBackend) -> None:
+        """What the kernel params ran as. "auto" depends on the version's class defaults and on the device (the
+        fused experts fall back to grouped_mm off a GPU), so committed chunks record it and a resume that would
+        run other kernels over them is refused, naming the value that runs theirs; a manifest from before the
+        record resumes unchecked."""
+        now = {k: v for k, v in getattr(backend, "resolved", {}).items() if k in KERNEL_PARAMS}
+        ran = m.params.get("kernels")
+        if m.chunks and ran is None:
+            return  # chunks from before the record: what ran is not known, so nothing is recorded for them
+        for name in KERNEL_PARAMS:
+            if m.chunks and ran.get(name) != now.get(name):
+                raise ConfigError(
+                    f"{self.shard_dir / MANIFEST_NAME}: {len(m.chunks)} chunks were extracted with {name} running "
+                    f"{ran.get(name)!r}, this run's {name}={getattr(self.cfg, name)!r} runs {now.get(name)!r} "
+                    f"(another version's default or another device); the stored states would mix: re-run with "
+                    f"{name}={ran.get(name)!r}, or delete {self.shard_dir} to extract the shard again")
+        m.params["kernels"] = now
 
     def _open_manifest(self) -> ShardManifest:
         """The manifest to go on with: the existing one if it has committed chunks (its state params checked,
@@ -264,6 +287,7 @@ class ShardExtractor:
     @torch.inference_mode()
     def _extract(self, data: ShardData, chunks: list, m: ShardManifest) -> None:
         backend = self._load_backend()
+        self._record_kernels(m, backend)
         dev = backend.device
         cuda = dev.type == "cuda"
         n_cap, H = len(self.cfg.target.capture_layers), self.shape.hidden_size

@@ -7,6 +7,13 @@ not be extracted as shipped (bf16, 1.3 TB, does not fit 8 H200s). Here each such
 kernel of eagle3.extract.fused_moe: a linear is the one-expert case of that GEMM (every row its own pair, in
 order, weight 1), so it shares its FP8 path (the input quantized per token and 128 values, amax / 448, as the
 checkpoint's dynamic activation scheme; the scales applied per K block), its autotuning and its tests.
+
+fp8_linear="scaled_mm": the same quantized input through torch's block-scaled FP8 GEMM (`F.scaled_mm`, 1 x 128
+activation and 128 x 128 weight blocks, cuBLASLt on Hopper): 1.1-1.3 PFLOP/s at DeepSeek-V3's widths on an H100
+against the Triton kernel's 0.3-0.6, results 2e-5 apart (bench/kernels_check.py, docs/benchmarks.md, 2026-12-05),
+for each linear whose shape cuBLASLt takes without padding (the others run the Triton kernel). Not yet "auto": it
+has not run on the whole extractor (docs/device-runs.md, call 6); the extractor records what ran, so a resume
+cannot mix the two.
 """
 
 from __future__ import annotations
@@ -17,7 +24,8 @@ from eagle3.errors import ConfigError
 from eagle3.extract.fused_moe import FP8_BLOCK, block_m_for, kernels, quantize_blocks, quantize_groups
 
 NAME = "triton"
-CHOICES = ("auto", "transformers", NAME)  # auto = NAME: the path that needs no hub
+SCALED_MM = "scaled_mm"
+CHOICES = ("auto", "transformers", NAME, SCALED_MM)  # auto = NAME: the path that needs no hub and runs anywhere
 PARAM = "extract param fp8_linear"
 
 
@@ -55,6 +63,42 @@ def _(x, weight, scale):
     return x.new_empty(*x.shape[:-1], weight.shape[0])
 
 
+@torch.library.custom_op("eagle3::fp8_block_scaled_mm", mutates_args=())
+def fp8_block_scaled_mm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """`fp8_block_linear` through torch's block-scaled FP8 GEMM; its scales outer-dim-major, as cuBLASLt reads
+    them ([T, K / 128] column-major, the weight's [K / 128, N / 128] its transpose)."""
+    from torch.nn.functional import ScalingType, scaled_mm
+
+    k = weight.shape[1]
+    xq, xs = quantize_groups(x.reshape(-1, k))
+    out = scaled_mm(xq, weight.t(), xs.t().contiguous().t(), ScalingType.BlockWise1x128, scale.contiguous().t(),
+                    ScalingType.BlockWise128x128, output_dtype=x.dtype)
+    return out.view(*x.shape[:-1], weight.shape[0])
+
+
+@fp8_block_scaled_mm.register_fake
+def _(x, weight, scale):
+    return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+
+def scaled_mm_runs(device: torch.device) -> bool:
+    """torch's block-scaled FP8 GEMM is there: a Hopper GPU (cuBLASLt's 128 x 128 block scales are sm90's) and a
+    torch that exposes it (2.10+)."""
+    if device.type != "cuda" or torch.cuda.get_device_capability(device) != (9, 0):
+        return False
+    try:
+        from torch.nn.functional import ScalingType, scaled_mm  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def scaled_mm_takes(module) -> bool:
+    """cuBLASLt's shape rules for this linear, met without padding: N and K multiples of 16, and the weight's K
+    blocks a multiple of 4 (some torch versions pad the scale's K blocks to 4; DeepSeek-V3's are 56, 12, 128, 4)."""
+    return module.out_features % 16 == 0 and (module.in_features // FP8_BLOCK) % 4 == 0
+
+
 def fp8_linears(model) -> dict:
     """{name: module} of transformers' FP8Linear modules holding float8 weights (an FP8 checkpoint's, or
     `quantize_linears`')."""
@@ -84,6 +128,14 @@ class TritonFP8Linear(torch.nn.Module):
         return out if self.bias is None else out + self.bias
 
 
+class ScaledMMFP8Linear(TritonFP8Linear):
+    """Mixed in where torch's block-scaled GEMM takes the linear: its forward runs `fp8_block_scaled_mm`."""
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        out = fp8_block_scaled_mm(input, self.weight, self.weight_scale_inv)
+        return out if self.bias is None else out + self.bias
+
+
 def apply(model, choice: str) -> str | None:
     """Run the model's FP8 linears through `choice` ("auto" = NAME); None when it has none. Reversible: a model
     set to NAME and then to "transformers" runs transformers' forward again."""
@@ -92,14 +144,19 @@ def apply(model, choice: str) -> str | None:
     modules = fp8_linears(model)
     if not modules:
         return None
+    device = next(iter(modules.values())).weight.device
     name = NAME if choice == "auto" else choice
-    if name == NAME:
+    if name == SCALED_MM and not scaled_mm_runs(device):
+        raise ConfigError(f"{PARAM}={name!r}: torch's block-scaled FP8 GEMM runs on a Hopper GPU with torch 2.10+, "
+                          f"not on {device}; use 'auto' or {NAME!r}")
+    if name != "transformers":
         for path, module in modules.items():
             check_linear(path, module)
-        kernels(torch.device("cpu"), fp8=True)  # triton is there
+        kernels(torch.device("cpu"), fp8=True)  # triton is there (it quantizes the input for both)
     for module in modules.values():
         base = _transformers_class(module)
-        module.__class__ = _triton_class(base) if name == NAME else base
+        mixin = ScaledMMFP8Linear if name == SCALED_MM and scaled_mm_takes(module) else TritonFP8Linear
+        module.__class__ = base if name == "transformers" else _mixed_class(mixin, base)
     return name
 
 
@@ -108,13 +165,13 @@ def _transformers_class(module) -> type:
     return cls.__bases__[1] if issubclass(cls, TritonFP8Linear) else cls
 
 
-_CLASSES: dict[type, type] = {}
+_CLASSES: dict[tuple[type, type], type] = {}
 
 
-def _triton_class(base: type) -> type:
-    if base not in _CLASSES:
-        _CLASSES[base] = type(f"Triton{base.__name__}", (TritonFP8Linear, base), {})
-    return _CLASSES[base]
+def _mixed_class(mixin: type, base: type) -> type:
+    if (mixin, base) not in _CLASSES:
+        _CLASSES[mixin, base] = type(f"{mixin.__name__[:-len('FP8Linear')]}{base.__name__}", (mixin, base), {})
+    return _CLASSES[mixin, base]
 
 
 def quantize_linears(model) -> int:

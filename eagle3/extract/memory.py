@@ -38,8 +38,11 @@ def estimate_batch_bytes(token_budget: int, hidden: int, intermediate: int, n_ca
 
 
 def free_device_memory(device: torch.device) -> int:
+    """Bytes a batch may take: on a GPU the driver's free memory plus what torch's caching allocator holds
+    unused (an earlier shard's batches in the same process: the driver counts them as taken)."""
     if device.type == "cuda":
-        return int(torch.cuda.mem_get_info(device)[0])
+        cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        return int(torch.cuda.mem_get_info(device)[0]) + max(0, int(cached))
     with open("/proc/meminfo") as f:
         for line in f:
             if line.startswith("MemAvailable:"):

@@ -1,11 +1,12 @@
 """How the extractor runs a target with routed experts, chosen from the model's config: the experts kernel
 (transformers' `experts_implementation`) and what is compiled (`compile_scope`). Dense targets are unchanged.
 
-Defaults per target class (eagle3.flops.target_class): CLASS_DEFAULTS. Today's MoE default is what was measured
-fastest so far (one H200, 2026-12-04, random Qwen3-30B-A3B shape, docs/benchmarks.md "Extraction rates by target
-class"): transformers' grouped_mm experts, each decoder layer compiled (steady 47.6-50.0K tokens/s = 54-57% of
-the active-parameter roofline, eager 21-23K). The other values are levers `bench/extract_bench.py --variants`
-compares side by side on the device (docs/device-runs.md); the winner replaces the table's row.
+Defaults per target class (eagle3.flops.target_class): CLASS_DEFAULTS. Both MoE rows run the project's fused
+experts kernels (eagle3.extract.fused_moe), each decoder layer compiled: on the whole extractor, side by side with
+transformers' grouped_mm path in one process (one H100, 2026-12-05, docs/benchmarks.md "MoE targets"), 1.29x wall /
+1.24x steady at the random Qwen3-30B-A3B shape and 1.47x / 1.26x at the DeepSeek-V3 shape. `auto_experts` keeps
+them to where they run compiled and falls back to grouped_mm elsewhere. The other values are levers
+`bench/extract_bench.py --variants` compares side by side on the device (docs/device-runs.md).
 """
 
 from __future__ import annotations
@@ -24,13 +25,10 @@ EXPERTS_CHOICES = ("auto", "eager", "batched_mm", "grouped_mm", "triton_fused")
 COMPILE_SCOPES = ("auto", "layers", "moe-blocks")
 CLASS_DEFAULTS = {
     "dense": {"experts_implementation": None, "compile_scope": "layers"},
-    "moe": {"experts_implementation": "grouped_mm", "compile_scope": "layers"},
+    "moe": {"experts_implementation": fused_moe.NAME, "compile_scope": "layers"},
     "mla": {"experts_implementation": None, "compile_scope": "layers"},  # not measured: as dense
-    # measured with these (H200, 2026-12-05: 41% of the roofline); no other lever compared yet
-    "moe-mla": {"experts_implementation": "grouped_mm", "compile_scope": "layers"},
+    "moe-mla": {"experts_implementation": fused_moe.NAME, "compile_scope": "layers"},
 }
-# Candidate for both MoE rows: fused_moe.NAME, 2.3x transformers' grouped_mm path on the experts step alone (H100,
-# 2026-12-05, docs/benchmarks.md); not yet on the whole extractor. auto_experts keeps it to where it runs compiled.
 FALLBACK_EXPERTS = "grouped_mm"  # where the fused kernels cannot run compiled (auto_experts)
 
 
