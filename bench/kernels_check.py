@@ -6,7 +6,8 @@ the memory their outputs land in filled with NaN first (an unwritten element sho
 Rows (each: relative L2 error against the definition and the time of one call, median of --reps):
 - quantize: the activation quantization kernel against the scheme in torch's ops, byte for byte;
 - experts-bf16 / experts-fp8: the fused routed experts of one batch at the Qwen3-30B-A3B and DeepSeek-V3 widths,
-  as FLOP/s of their GEMMs, beside transformers' grouped_mm path on the same batch (bf16);
+  as FLOP/s of their GEMMs, beside transformers' grouped_mm path on the same batch (bf16), each autotune config of
+  the two kernels (the autotuner's own timings) and one dense GEMM of each kernel's rows (the rate to aim at);
 - linear-fp8: one FP8 checkpoint linear (DeepSeek-V3's widths, MLA's 576-row kv_a_proj_with_mqa among them) beside
   torch._scaled_mm's FP8 GEMM (row-wise scales, all ones) and a bf16 GEMM of the same shape; its input's quantization
   and its GEMM timed apart; and torch's block-scaled FP8 GEMM on the checkpoint's own layout (the lever to try).
@@ -69,6 +70,22 @@ def experts_reference(x, idx, w, gate_up, down, up_scale=None, down_scale=None):
     return out
 
 
+def tile_rates(fp8: bool, pairs: int, hidden: int, width: int) -> dict:
+    """TFLOP/s of each autotune config of the two experts kernels, from the autotuner's own timings of the call
+    just made (empty where its cache answered instead): how far the best tile sits from the dense rate, and
+    whether any tile gets near it (the kernels' next work)."""
+    from eagle3.extract.fused_moe_kernels import GPU
+
+    out = {}
+    for kernel, fn, flops in (("gate_up", GPU[fp8][0], 2.0 * pairs * hidden * 2 * width),
+                              ("down", GPU[fp8][1], 2.0 * pairs * width * hidden)):
+        timings = getattr(fn, "configs_timings", None) or {}
+        ms = {str(c): t[0] if isinstance(t, (list, tuple)) else t for c, t in timings.items()}
+        out[kernel] = dict(sorted(((c, flops / t / 1e9) for c, t in ms.items() if t and t != float("inf")),
+                                  key=lambda kv: -kv[1]))
+    return out
+
+
 def check_experts(name, tokens, device, dtype, reps) -> dict:
     hidden, width, experts, k = EXPERTS.get(name, SMOKE_EXPERTS)
     g = torch.Generator(device=device).manual_seed(tokens)
@@ -84,7 +101,14 @@ def check_experts(name, tokens, device, dtype, reps) -> dict:
     row["bf16_rel_l2"] = rel(got, experts_reference(x, idx, w, up, dn))
     row["bf16_nan"] = bool(got.isnan().any())
     if device.type == "cuda":
+        row["bf16_tiles"] = tile_rates(False, tokens * k, hidden, width)
         row["bf16_tflops"] = flops / timed(lambda: fused_moe.fused_experts(x, idx, w, up, dn), device, reps) / 1e12
+        rows_x = x.repeat(k, 1)  # every pair's row, as one dense GEMM of each kernel's shape would read them
+        row["dense_gate_up_tflops"] = 2.0 * rows_x.shape[0] * hidden * 2 * width / timed(
+            lambda: rows_x @ up[0].T, device, reps) / 1e12
+        h = rows_x[:, :width].contiguous()
+        row["dense_down_tflops"] = 2.0 * h.shape[0] * width * hidden / timed(lambda: h @ dn[0].T, device, reps) / 1e12
+        del rows_x, h
         try:  # transformers' own experts module of that layout, its grouped_mm path
             from transformers import Qwen3MoeConfig
             from transformers.integrations.moe import grouped_mm_experts_forward
@@ -109,6 +133,7 @@ def check_experts(name, tokens, device, dtype, reps) -> dict:
     row["fp8_rel_l2"] = rel(got, experts_reference(x, idx, w, up_q, dn_q, up_s, dn_s))
     row["fp8_nan"] = bool(got.isnan().any())
     if device.type == "cuda":
+        row["fp8_tiles"] = tile_rates(True, tokens * k, hidden, width)
         row["fp8_tflops"] = flops / timed(lambda: fused_moe.fused_experts(x, idx, w, up_q, dn_q, up_s, dn_s),
                                           device, reps) / 1e12
     return row

@@ -144,3 +144,20 @@ def test_kernels_check_smoke_checks_each_kernel_against_its_definition(tmp_path)
         assert row["bf16_rel_l2"] < 0.02 and row["fp8_rel_l2"] < 0.05 and not row["bf16_nan"] and not row["fp8_nan"]
     assert all(r["rel_l2"] < 0.01 and not r["nan"] for r in res["linears"].values()) and res["linears"]
     assert all(q["bytes_equal"] and q["values_equal_at_kernel_scales"] for q in res["quantize"].values())
+
+
+def test_kernels_check_rates_each_tile_from_the_autotuners_timings(monkeypatch):
+    """The per-config rates come from the autotuner's own timings (ms) of the call just made: the GEMM's FLOPs over
+    each, best first; a config that failed to run (inf) is left out, and no timings (a cache hit) give none."""
+    triton = pytest.importorskip("triton")
+    from bench import kernels_check
+    from eagle3.extract.fused_moe_kernels import GPU
+
+    fast, slow, broken = (triton.Config({"BLOCK_N": n}, num_warps=4) for n in (64, 128, 256))
+    monkeypatch.setattr(GPU[False][0], "configs_timings", {slow: [2.0, 1.9, 2.1], fast: [1.0, 0.9, 1.1],
+                                                            broken: float("inf")}, raising=False)
+    monkeypatch.setattr(GPU[False][1], "configs_timings", None, raising=False)
+    rates = kernels_check.tile_rates(False, pairs=1000, hidden=2048, width=768)
+    gate_up_flops = 2.0 * 1000 * 2048 * 2 * 768
+    assert list(rates["gate_up"].values()) == [gate_up_flops / 1.0 / 1e9, gate_up_flops / 2.0 / 1e9]
+    assert list(rates["gate_up"]) == [str(fast), str(slow)] and rates["down"] == {}

@@ -9,7 +9,7 @@ order, weight 1), so it shares its FP8 path (the input quantized per token and 1
 checkpoint's dynamic activation scheme; the scales applied per K block), its autotuning and its tests.
 
 fp8_linear="scaled_mm": the same quantized input through torch's block-scaled FP8 GEMM (`F.scaled_mm`, 1 x 128
-activation and 128 x 128 weight blocks, cuBLASLt on Hopper): 1.1-1.3 PFLOP/s at DeepSeek-V3's widths on an H100
+activation and 128 x 128 weight blocks, cuBLASLt on Hopper): 0.74-1.27 PFLOP/s at DeepSeek-V3's widths on an H100
 against the Triton kernel's 0.3-0.6, results 2e-5 apart (bench/kernels_check.py, docs/benchmarks.md, 2026-12-05),
 for each linear whose shape cuBLASLt takes without padding (the others run the Triton kernel). Not yet "auto": it
 has not run on the whole extractor (docs/device-runs.md, call 6); the extractor records what ran, so a resume
