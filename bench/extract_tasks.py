@@ -1,8 +1,8 @@
 """Compile once per worker: shard tasks as the operator runs them, each in a fresh process, one after another on
 one worker sharing a compile cache folder (ExtractConfig.compile_cache_dir, emptied first). The first task
 compiles; the second should find every graph in the cache. Per task: the time from the process's start to the
-first batch's states (model build, load, compilation, the first forward), the wall tokens/s of the whole task,
-the FX graph cache's hits and misses.
+first batch's states (model build, load, compilation, the first forward) and how much of it the random model's
+build took, the wall tokens/s of the whole task, the FX graph cache's hits and misses.
 
     python3 bench/extract_tasks.py --model qwen3-30b-a3b --tokens 2e6 --tasks 2 --out $OUT/tasks.json   # H200
     python bench/extract_tasks.py --smoke --out /tmp/tasks.json    # CPU, tiny-moe, a few thousand tokens
@@ -36,7 +36,10 @@ def child(a: argparse.Namespace) -> dict:
 
     device = torch.device(a.device)
     dtype_name = "bfloat16" if device.type == "cuda" else "float32"
+    imported = time.perf_counter() - t0
     model, path = build_model(a.model, device, getattr(torch, dtype_name), None)
+    sync(device)
+    built = time.perf_counter() - t0  # a random-weight model: the bench's stand-in for loading a checkpoint
     L = model.config.num_hidden_layers
     samples = make_samples(int(float(a.tokens)), a.min_len, a.max_len, model.config.vocab_size, seed=a.seed)
     first = {}
@@ -54,7 +57,9 @@ def child(a: argparse.Namespace) -> dict:
     b = Bench(args, device, getattr(torch, dtype_name), dtype_name, Path(a.work))
     t = Target(model, path, samples, default_capture_layers(L), a.budget or DEFAULT_BUDGET[a.model], a.chunk_mb)
     r = run_extractor(b, t, samples, a.writers, compile=True, compile_cache_dir=a.cache)
-    return {"first_batch_s": round(first["s"], 2), "process_wall_s": round(time.perf_counter() - t0, 2),
+    return {"first_batch_s": round(first["s"], 2), "imports_s": round(imported, 2), "model_built_s": round(built, 2),
+            "extractor_to_first_batch_s": round(first["s"] - built, 2),
+            "process_wall_s": round(time.perf_counter() - t0, 2),
             "tokens": r["tokens"], "tok_per_s_wall": r["tok_per_s_wall"], "steady_tok_per_s": r["steady_tok_per_s"],
             "extract_wall_s": r["wall_s"], **cache_counters()}
 
@@ -106,7 +111,9 @@ def main(argv=None) -> int:
             print(p.stdout[-2000:], p.stderr[-4000:], file=sys.stderr)
             return 1
         tasks.append(json.loads(line[5:]))
-        print(f"task {k}: first batch after {tasks[-1]['first_batch_s']:.1f} s, {tasks[-1]['tok_per_s_wall']:.0f} "
+        print(f"task {k}: first batch after {tasks[-1]['first_batch_s']:.1f} s (model built at "
+              f"{tasks[-1]['model_built_s']:.1f} s, then {tasks[-1]['extractor_to_first_batch_s']:.1f} s in the "
+              f"extractor), {tasks[-1]['tok_per_s_wall']:.0f} "
               f"tok/s wall ({tasks[-1]['steady_tok_per_s']:.0f} steady); FX graph cache hits "
               f"{tasks[-1]['fxgraph_cache_hit']}, misses {tasks[-1]['fxgraph_cache_miss']}", flush=True)
     res = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "argv": sys.argv[1:] if argv is None else argv,
