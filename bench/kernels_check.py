@@ -179,17 +179,11 @@ def check_linear(out_f, in_f, tokens, device, dtype, reps) -> dict:
 
 def block_scaled_mm(xq, xs, weight, scale, dtype, want, flops, device, reps) -> dict:
     """The lever: torch's block-scaled FP8 GEMM (cuBLASLt >= 12.9 on Hopper), activations in 1 x 128 blocks and
-    weights in 128 x 128 blocks, the checkpoint's own layout; its speed and its distance from the Triton kernel's
-    result. Scales outer-dim-major, as torch's own tests lay them out (they pad the weight's K blocks to a multiple
-    of 4: DeepSeek-V3's K blocks, 56, 12 and 128, are already)."""
+    weights in 128 x 128 blocks, the checkpoint's own layout (`fp8_linear.fp8_block_scaled_gemm`); its speed and its
+    distance from the Triton kernel's result."""
     try:
-        from torch.nn.functional import ScalingType, scaled_mm
-
-        sa, sb = xs.t().contiguous().t(), scale.contiguous().t()  # [T, K/128] and [K/128, N/128], outer dim fastest
-
         def run():
-            return scaled_mm(xq, weight.t(), sa, ScalingType.BlockWise1x128, sb, ScalingType.BlockWise128x128,
-                             output_dtype=dtype)
+            return fp8_linear.fp8_block_scaled_gemm(xq, xs, weight, scale, dtype)
 
         got = run()
         return {"block_scaled_mm_tflops": flops / timed(run, device, reps) / 1e12,

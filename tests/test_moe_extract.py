@@ -189,6 +189,8 @@ def test_class_defaults_and_refusals(targets):
     assert len(moe.compile_targets(ds.model, "moe-blocks")) == 4  # the first layer is dense
     # a class whose default is the fused kernels runs them on a GPU where they read the layout, else grouped_mm
     experts, cuda = moe.experts_modules(ds), torch.device("cuda")
+    assert moe.CLASS_DEFAULTS["moe"]["experts_implementation"] == "triton_fused"
+    assert moe.CLASS_DEFAULTS["moe-mla"]["experts_implementation"] == "triton_fused"
     assert moe.auto_experts("triton_fused", experts, cuda) == "triton_fused"
     assert moe.auto_experts("triton_fused", experts, torch.device("cpu")) == "grouped_mm"
     experts[0].has_bias = True

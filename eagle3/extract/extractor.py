@@ -172,8 +172,8 @@ class ShardExtractor:
         ran = m.params.get("kernels")
         if m.chunks and ran is None:
             return  # chunks from before the record: what ran is not known, so nothing is recorded for them
-        for name in KERNEL_PARAMS:
-            if m.chunks and ran.get(name) != now.get(name):
+        for name in KERNEL_PARAMS if m.chunks else ():
+            if ran.get(name) != now.get(name):
                 raise ConfigError(
                     f"{self.shard_dir / MANIFEST_NAME}: {len(m.chunks)} chunks were extracted with {name} running "
                     f"{ran.get(name)!r}, this run's {name}={getattr(self.cfg, name)!r} runs {now.get(name)!r} "

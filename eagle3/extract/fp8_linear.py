@@ -65,15 +65,20 @@ def _(x, weight, scale):
 
 @torch.library.custom_op("eagle3::fp8_block_scaled_mm", mutates_args=())
 def fp8_block_scaled_mm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """`fp8_block_linear` through torch's block-scaled FP8 GEMM; its scales outer-dim-major, as cuBLASLt reads
-    them ([T, K / 128] column-major, the weight's [K / 128, N / 128] its transpose)."""
-    from torch.nn.functional import ScalingType, scaled_mm
-
+    """`fp8_block_linear` through torch's block-scaled FP8 GEMM (`fp8_block_scaled_gemm`)."""
     k = weight.shape[1]
     xq, xs = quantize_groups(x.reshape(-1, k))
-    out = scaled_mm(xq, weight.t(), xs.t().contiguous().t(), ScalingType.BlockWise1x128, scale.contiguous().t(),
-                    ScalingType.BlockWise128x128, output_dtype=x.dtype)
-    return out.view(*x.shape[:-1], weight.shape[0])
+    return fp8_block_scaled_gemm(xq, xs, weight, scale, x.dtype).view(*x.shape[:-1], weight.shape[0])
+
+
+def fp8_block_scaled_gemm(xq: torch.Tensor, xs: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+                          out_dtype: torch.dtype) -> torch.Tensor:
+    """`fp8_block_gemm`'s product through torch's block-scaled FP8 GEMM, the scales outer-dim-major as cuBLASLt
+    reads them ([T, K / 128] column-major, the weight's [K / 128, N / 128] its transpose)."""
+    from torch.nn.functional import ScalingType, scaled_mm
+
+    return scaled_mm(xq, weight.t(), xs.t().contiguous().t(), ScalingType.BlockWise1x128, scale.contiguous().t(),
+                     ScalingType.BlockWise128x128, output_dtype=out_dtype)
 
 
 @fp8_block_scaled_mm.register_fake
