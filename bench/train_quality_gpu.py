@@ -58,7 +58,7 @@ from eagle3.extract.plan import plan_shards  # noqa: E402
 from eagle3.extract.run import extract_shard  # noqa: E402
 from eagle3.io import atomic_write_json, read_json  # noqa: E402
 from eagle3.merge.run import run_merge  # noqa: E402
-from eagle3.models import COMPLETE_MARKER, convert_gguf, load_tokenizer  # noqa: E402
+from eagle3.models import convert_gguf, converted, load_tokenizer  # noqa: E402
 from eagle3.train.run import train_phase  # noqa: E402
 
 log = logging.getLogger("quality")
@@ -68,7 +68,7 @@ def target_folder(args, work: Path) -> Path:
     if args.model:
         return Path(args.model)
     out = work / "model"
-    if not (out / COMPLETE_MARKER).is_file():
+    if not converted(out):
         convert_gguf(args.gguf, out)
     return out
 

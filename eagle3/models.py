@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import fcntl
 import importlib.util
+import json
 import logging
 import os
 import shutil
@@ -174,6 +175,32 @@ def greedy_reply(model, tokenizer, prompt: str, max_new_tokens: int = 24) -> str
     return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True).strip()
 
 
+# the GGUF tokenizer metadata's special-token ids, by the tokenizer attribute each one sets
+GGUF_SPECIAL_TOKENS = {"bos_token": "bos", "eos_token": "eos", "unk_token": "unknown", "pad_token": "padding"}
+
+
+def gguf_special_token_ids(gguf_path: str | os.PathLike) -> dict[str, int]:
+    """{tokenizer attribute: token id} as the GGUF's own metadata (tokenizer.ggml.*_token_id) names them."""
+    from gguf import GGUFReader
+
+    fields = GGUFReader(str(gguf_path)).fields
+    return {attr: int(fields[f"tokenizer.ggml.{key}_token_id"].contents())
+            for attr, key in GGUF_SPECIAL_TOKENS.items() if f"tokenizer.ggml.{key}_token_id" in fields}
+
+
+def align_special_tokens(tokenizer, ids: dict[str, int], source: str) -> dict[str, str]:
+    """Set the tokenizer's special tokens to the ids the GGUF names; returns {attribute: token} as set. Some
+    transformers versions build a GGUF's tokenizer with eos = bos: 5.17 made SmolLM2's eos <|im_start|>, so every
+    answer ran past <|im_end|> and no conversation got a second turn (found on the device, 2026-12-05)."""
+    tokens = {attr: tokenizer.convert_ids_to_tokens(i) for attr, i in ids.items()}
+    for attr, token in tokens.items():
+        if getattr(tokenizer, attr, None) != token:
+            log.warning("%s: the tokenizer transformers built has %s %r; the GGUF's metadata says %r (id %d): "
+                        "using the GGUF's", source, attr, getattr(tokenizer, attr, None), token, ids[attr])
+            setattr(tokenizer, attr, token)
+    return tokens
+
+
 def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike) -> dict:
     """Dequantize a GGUF file into a normal HF directory at `out_dir` (written via a temp folder)."""
     import torch
@@ -184,6 +211,8 @@ def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike) -> di
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     t0 = time.time()
     tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    special = gguf_special_token_ids(gguf_path)
+    tokens = align_special_tokens(tok, special, str(gguf_path))
     model = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32)
     # A GGUF-loaded model refuses save_pretrained until its (already applied) quantization config is dropped.
     if getattr(model, "hf_quantizer", None) is not None:
@@ -199,6 +228,13 @@ def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike) -> di
     if not tok2.chat_template:
         raise PipelineError(f"converted tokenizer in {tmp} has no chat template")
     model2 = load_model(tmp)
+    wrong = {attr: (getattr(tok2, f"{attr}_id"), i) for attr, i in special.items() if getattr(tok2, f"{attr}_id") != i}
+    eos = model2.generation_config.eos_token_id
+    if "eos_token" in special and special["eos_token"] not in (eos if isinstance(eos, list) else [eos]):
+        wrong["generation_config eos_token_id"] = (eos, special["eos_token"])
+    if wrong:
+        raise PipelineError(f"converted model in {tmp}: special token ids (saved, GGUF's) differ from {gguf_path}'s "
+                            f"metadata: {wrong}")
     reply = greedy_reply(model2, tok2, SANITY_PROMPT)
     if not reply:
         raise PipelineError(f"converted model in {tmp} gave an empty greedy reply to {SANITY_PROMPT!r}")
@@ -207,6 +243,7 @@ def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike) -> di
         "source_sha256": sha256_file(gguf_path),
         "sanity_prompt": SANITY_PROMPT,
         "sanity_reply": reply,
+        "special_tokens": tokens,
         "seconds": round(time.time() - t0, 1),
     }
     atomic_write_json(tmp / COMPLETE_MARKER, marker)
@@ -225,13 +262,22 @@ def ensure_smollm2(cache_dir: str | os.PathLike | None = None) -> Path:
     root = Path(cache_dir) if cache_dir else cache_root()
     root.mkdir(parents=True, exist_ok=True)
     out = root / SMOLLM2_DIRNAME
-    if (out / COMPLETE_MARKER).is_file():
+    if converted(out):
         return out
     with open(root / f".{SMOLLM2_DIRNAME}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if not (out / COMPLETE_MARKER).is_file():
+        if not converted(out):
             convert_gguf(find_smollm2_gguf(), out)
     return out
+
+
+def converted(out: Path) -> bool:
+    """A finished conversion whose special tokens were checked against the GGUF's metadata (a folder converted
+    before that check, "special_tokens" missing from its marker, may hold a wrong eos: converted again)."""
+    try:
+        return "special_tokens" in json.loads((out / COMPLETE_MARKER).read_text())
+    except (OSError, ValueError):
+        return False
 
 
 def kv_cache_kwarg(model) -> str:

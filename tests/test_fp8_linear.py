@@ -241,3 +241,28 @@ def test_compiled_layers_call_the_fp8_kernels_and_capture_the_eager_states():
     (eager_aux, eager_final), (aux, final) = captured
     per_token = (aux - eager_aux).norm(dim=-1) / eager_aux.norm(dim=-1)
     assert per_token.median() < 1e-5 and rel_l2(aux, eager_aux) < 0.02 and rel_l2(final, eager_final) < 0.02
+
+
+@pytest.mark.parametrize("rows", [1, 37, 48, 16377 % 64])
+def test_torch_block_scaled_gemm_pads_rows_to_what_cublaslt_takes(rows, monkeypatch):
+    """cuBLASLt refuses a column-major activation scale whose leading dimension (the rows) is not 16-byte aligned
+    (CUBLAS_STATUS_NOT_SUPPORTED at 16,377 rows on an H100), and a batch holds any number of tokens: the rows go in
+    padded to 16 and come back as many as went in, equal to the Triton twin's product. The CPU has no block-scaled
+    GEMM, so a stand-in holds cuBLASLt's rule and computes the product's definition from the scales it is given."""
+    from torch.nn import functional as F
+
+    def blockwise(a, b, scale_a, recipe_a, scale_b, recipe_b, output_dtype):
+        assert a.shape[0] % 16 == 0 and scale_a.stride(0) == 1 and scale_a.stride(1) % 4 == 0, "cuBLASLt refuses"
+        a_deq = a.float() * scale_a.repeat_interleave(FP8_BLOCK, 1)
+        b_deq = b.float() * scale_b.repeat_interleave(FP8_BLOCK, 0).repeat_interleave(FP8_BLOCK, 1)
+        return (a_deq @ b_deq).to(output_dtype)
+
+    monkeypatch.setattr(F, "scaled_mm", blockwise, raising=False)
+    monkeypatch.setattr(F, "ScalingType", SimpleNamespace(BlockWise1x128=1, BlockWise128x128=2), raising=False)
+    torch.manual_seed(rows)
+    x, w = torch.randn(rows, 256), torch.randn(1, 256, 256)
+    wq, ws = (t[0] for t in quantize_blocks(w))
+    xq, xs = quantize_groups(x)
+    got = fp8_linear.fp8_block_scaled_gemm(xq, xs, wq, ws, torch.float32)
+    assert got.shape == (rows, 256)
+    torch.testing.assert_close(got, fp8_linear.fp8_block_gemm(xq, xs, wq, ws, torch.float32), rtol=1e-5, atol=1e-4)

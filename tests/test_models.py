@@ -8,8 +8,9 @@ import torch
 
 from eagle3.errors import ConfigError
 from eagle3.models import (
-    COMPLETE_MARKER, SANITY_PROMPT, default_capture_layers, ensure_smollm2, find_smollm2_gguf, greedy_reply,
-    load_model, model_info, resolve_capture_layers,
+    COMPLETE_MARKER, SANITY_PROMPT, align_special_tokens, converted, default_capture_layers, ensure_smollm2,
+    find_smollm2_gguf, gguf_special_token_ids, greedy_reply, load_model, load_tokenizer, model_info,
+    resolve_capture_layers,
 )
 
 
@@ -22,6 +23,27 @@ def test_cached_model_is_reused_not_reconverted(smollm2_path):
     assert marker.stat().st_mtime_ns == before
     meta = json.loads(marker.read_text())
     assert meta["sanity_reply"]  # the conversion verified a non-empty greedy reply
+
+
+def test_special_tokens_are_the_ggufs_own(smollm2_path, tmp_path):
+    """The converted tokenizer's special tokens are the ones the GGUF's metadata names, whatever the tokenizer
+    transformers built said (5.17 built this GGUF's with eos = <|im_start|>: answers ran past <|im_end|>); a folder
+    converted before that check is converted again."""
+    ids = gguf_special_token_ids(find_smollm2_gguf())
+    assert (ids["bos_token"], ids["eos_token"], ids["pad_token"]) == (1, 2, 2)
+    tok = load_tokenizer(smollm2_path)
+    assert (tok.bos_token_id, tok.eos_token_id, tok.pad_token_id) == (1, 2, 2)
+    assert json.loads((smollm2_path / COMPLETE_MARKER).read_text())["special_tokens"]["eos_token"] == "<|im_end|>"
+    tok.eos_token = tok.bos_token  # as transformers 5.17 built it
+    assert align_special_tokens(tok, ids, "test")["eos_token"] == "<|im_end|>"
+    assert tok.eos_token_id == 2
+    assert converted(smollm2_path)
+    old = tmp_path / "old"
+    old.mkdir()
+    meta = json.loads((smollm2_path / COMPLETE_MARKER).read_text())
+    del meta["special_tokens"]
+    (old / COMPLETE_MARKER).write_text(json.dumps(meta))
+    assert not converted(old) and not converted(tmp_path / "missing")
 
 
 def test_model_info_reads_smollm2_config(smollm2_path):

@@ -27,6 +27,7 @@ NAME = "triton"
 SCALED_MM = "scaled_mm"
 CHOICES = ("auto", "transformers", NAME, SCALED_MM)  # auto = NAME: the path that needs no hub and runs anywhere
 PARAM = "extract param fp8_linear"
+ROW_MULTIPLE = 16  # fp8_block_scaled_gemm pads T to it
 
 
 @torch.library.custom_op("eagle3::fp8_block_linear", mutates_args=())
@@ -74,11 +75,20 @@ def fp8_block_scaled_mm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tens
 def fp8_block_scaled_gemm(xq: torch.Tensor, xs: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
                           out_dtype: torch.dtype) -> torch.Tensor:
     """`fp8_block_gemm`'s product through torch's block-scaled FP8 GEMM, the scales outer-dim-major as cuBLASLt
-    reads them ([T, K / 128] column-major, the weight's [K / 128, N / 128] its transpose)."""
+    reads them ([T, K / 128] column-major, the weight's [K / 128, N / 128] its transpose). T is padded to a
+    multiple of 16 with zero rows: cuBLASLt refuses a column-major scale whose leading dimension (T) is not 16-byte
+    aligned (CUBLAS_STATUS_NOT_SUPPORTED at 16,377 rows on an H100, 2026-12-05), and the extractor's batches
+    hold any number of tokens."""
     from torch.nn.functional import ScalingType, scaled_mm
 
-    return scaled_mm(xq, weight.t(), xs.t().contiguous().t(), ScalingType.BlockWise1x128, scale.contiguous().t(),
-                     ScalingType.BlockWise128x128, output_dtype=out_dtype)
+    t = xq.shape[0]
+    if t % ROW_MULTIPLE:
+        pad = ROW_MULTIPLE - t % ROW_MULTIPLE
+        xq, xs = torch.nn.functional.pad(xq.view(torch.uint8), (0, 0, 0, pad)).view(xq.dtype), \
+            torch.nn.functional.pad(xs, (0, 0, 0, pad))
+    out = scaled_mm(xq, weight.t(), xs.t().contiguous().t(), ScalingType.BlockWise1x128, scale.contiguous().t(),
+                    ScalingType.BlockWise128x128, output_dtype=out_dtype)
+    return out[:t]
 
 
 @fp8_block_scaled_mm.register_fake
