@@ -4,6 +4,9 @@ tokenizer (eagle3.datagen.tokenize) builds for the same conversation."""
 
 from __future__ import annotations
 
+import copy
+import logging
+
 import pytest
 
 from eagle3.datagen.tokenize import tokenize_conversation
@@ -48,6 +51,23 @@ def test_each_turn_is_answered_after_the_targets_own_answers(smollm2_model, smol
     assert cut["turns"] == 1 and answers_of(tok, cut) == [first]
     none, = sd.generate_answers(smollm2_model, tok, [TWO_TURNS], max_new_tokens=16, max_context=len(prompt) // 2)
     assert none == {"input_ids": [], "loss_mask": [], "turns": 0}
+
+
+def test_a_tokenizer_whose_eos_is_not_the_end_of_turn_is_said_to_stop_every_conversation(
+        smollm2_model, smollm2_tokenizer, caplog):
+    """transformers 5.17 built SmolLM2's GGUF tokenizer with eos = <|im_start|> (eagle3.models now takes the GGUF's
+    own): each answer then ends one token past <|im_end|> and no conversation reaches turn 2. The run says so."""
+    tok = copy.deepcopy(smollm2_tokenizer)
+    tok.eos_token = tok.bos_token
+    with caplog.at_level(logging.INFO, logger=sd.log.name):
+        multi, = sd.generate_answers(smollm2_model, tok, [TWO_TURNS], max_new_tokens=48, batch_size=4)
+    assert multi["turns"] == 1 and multi["input_ids"][-1] == tok.bos_token_id  # ran on to <|im_start|>
+    assert "turn 2: 1 conversations stopped: the chat template does not render the conversation so far (answers " \
+           "through eos '<|im_start|>')" in caplog.text
+    with caplog.at_level(logging.INFO, logger=sd.log.name):
+        caplog.clear()
+        fixed, = sd.generate_answers(smollm2_model, smollm2_tokenizer, [TWO_TURNS], max_new_tokens=48, batch_size=4)
+    assert fixed["turns"] == 2 and "does not render" not in caplog.text
 
 
 def test_a_static_kv_cache_gives_the_same_answers(smollm2_model, smollm2_tokenizer):

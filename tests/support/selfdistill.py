@@ -187,7 +187,7 @@ def generate_answers(model, tokenizer, prompts: list[str | list[str]], max_new_t
     messages: list[list[dict]] = [[] for _ in convs]
     open_ = [True] * len(convs)
     for r in range(max(len(c) for c in convs)):
-        todo, contexts = [], []
+        todo, contexts, unrendered, long = [], [], 0, 0
         for i, conv in enumerate(convs):
             if not open_[i] or r >= len(conv):
                 continue
@@ -195,9 +195,14 @@ def generate_answers(model, tokenizer, prompts: list[str | list[str]], max_new_t
             context = samples[i]["input_ids"] + (step or [])
             if step is None or (max_context and len(context) >= max_context):
                 open_[i] = False
+                unrendered, long = unrendered + (step is None), long + (step is not None)
                 continue
             todo.append(i)
             contexts.append(context)
+        if unrendered:  # a tokenizer whose eos is not the template's end of turn closes every conversation here
+            log.warning("turn %d: %d conversations stopped: the chat template does not render the conversation so "
+                        "far (answers through eos %r) as a prefix of the next turn's prompt", r + 1, unrendered,
+                        tokenizer.eos_token)
         if not todo:
             break
         if engine == "continuous":
@@ -213,7 +218,8 @@ def generate_answers(model, tokenizer, prompts: list[str | list[str]], max_new_t
             text = tokenizer.decode(answer[:-1] if answer[-1:] == [eos] else answer, skip_special_tokens=False)
             messages[i] += [{"role": "user", "content": convs[i][r]}, {"role": "assistant", "content": text}]
             open_[i] = answer[-1:] == [eos]
-        log.info("turn %d: %d conversations answered", r + 1, len(todo))
+        log.info("turn %d: %d conversations answered, %d of them cut at max_new_tokens; %d stopped at max_context",
+                 r + 1, len(todo), sum(not open_[i] for i in todo), long)
     return samples
 
 
