@@ -192,6 +192,14 @@ def block_scaled_mm(xq, xs, weight, scale, dtype, want, flops, device, reps) -> 
         return {"block_scaled_mm": f"{type(e).__name__}: {str(e)[:300]}"}
 
 
+def value_differences(q: torch.Tensor, given: torch.Tensor) -> dict:
+    """How many float8 values differ between two quantizations at the same scales, and the first few (kernel,
+    torch) pairs as floats: a rounding rule apart, or a different value."""
+    diff = (q.view(torch.uint8) != given.view(torch.uint8)).nonzero()
+    pairs = [(float(q[tuple(i)].float()), float(given[tuple(i)].float())) for i in diff[:8].tolist()]
+    return {"values_differing": int(diff.shape[0]), "values_differing_first": pairs}
+
+
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokens", type=int, default=16384, help="tokens of one batch")
@@ -226,7 +234,8 @@ def main(argv=None) -> int:
         res["quantize"][f"{rows}x{cols}"] = {
             "bytes_equal": bool(torch.equal(q.view(torch.uint8), wq.view(torch.uint8)) and torch.equal(s, ws)),
             "scale_max_rel_diff": float(((s - ws).abs() / ws).max()),
-            "values_equal_at_kernel_scales": bool(torch.equal(q.view(torch.uint8), given.view(torch.uint8)))}
+            "values_equal_at_kernel_scales": bool(torch.equal(q.view(torch.uint8), given.view(torch.uint8))),
+            **value_differences(q, given)}
         save("quantize", f"{rows}x{cols}")
     for name in (EXPERTS if device.type == "cuda" else ("smoke",)) if "experts" in wanted else ():
         res["experts"][name] = check_experts(name, tokens, device, dtype, a.reps)
