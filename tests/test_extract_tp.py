@@ -154,6 +154,9 @@ def test_moe_target_tp2_with_expert_parallel_equals_tp1(kind, experts, tmp_path)
                      experts_implementation=experts)
         assert extract_shard(cfg, spec)["tokens"] == sum(lengths) + 2 * len(lengths)
         got[tp] = samples(tmp_path / f"tp{tp}" / "shard-00000")
+        # the manifest records what auto ran at every tp_size (a resume under another kernel is refused on it)
+        ran = ShardManifest.load(tmp_path / f"tp{tp}" / "shard-00000").params["kernels"]
+        assert ran["experts_implementation"] == ("grouped_mm" if experts == "auto" else experts)
     for row, s in got[1].items():
         assert torch.equal(s.input_ids, got[2][row].input_ids)
         torch.testing.assert_close(got[2][row].aux_hidden, s.aux_hidden, rtol=1e-5, atol=1e-5)
