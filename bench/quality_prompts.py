@@ -83,6 +83,14 @@ def prompt_counts(conversations: list[list[str]], tokenizer) -> dict:
             "turns_per_sample": round(len(texts) / max(1, len(conversations)), 2)}
 
 
+# --gen-cache: HF generate's KV cache. dynamic grows each layer's cache by a concatenation a step (a new, larger
+# tensor each time: the suspect behind 7K answer tokens/s on an H100 at batch 1,000); static preallocates it and
+# makes generate compile its decoding step on a GPU (again as cache length and batch size change); static-eager
+# preallocates without compiling.
+GEN_CACHES = {"dynamic": {}, "static": {"cache_implementation": "static"},
+              "static-eager": {"cache_implementation": "static", "disable_compile": True}}
+
+
 def generate(args, prompts: list[list[str]], model_path: Path, root: Path, temperature: float, clock,
              device: str, until: float | None = None) -> int:
     """The target's answers to the conversations (--gen-turns: each one's first turn or every turn, a turn not
@@ -105,7 +113,7 @@ def generate(args, prompts: list[list[str]], model_path: Path, root: Path, tempe
             dtype = "bfloat16" if device == "cuda" else "float32"
             model, tok = load_model(model_path, dtype=dtype, device=device), load_tokenizer(model_path)
         t = time.time()
-        cache = {"cache_implementation": "static"} if args.gen_cache == "static" else {}
+        cache = GEN_CACHES[args.gen_cache]
         answer = functools.partial(sd.generate_answers, model, tok, chunk, args.new_tokens, batch_size=args.gen_batch,
                                    log_every=4, temperature=temperature, seed=1 + i // args.part_size,
                                    max_context=args.all_turns_seq_len, **cache)

@@ -50,7 +50,9 @@ import torch  # noqa: E402
 from bench.extract_fp8 import fp8_extraction_backend  # noqa: E402
 from bench.quality_plan import (OVERRIDE_KNOBS, Clock, Variant, main_variant, plan, recipe, studies,  # noqa: E402
                                 write_table)
-from bench.quality_prompts import TURNS, answered_parts, first_turns, generate, read_conversations  # noqa: E402
+from bench.quality_prompts import (  # noqa: E402
+    GEN_CACHES, TURNS, answered_parts, first_turns, generate, read_conversations,
+)
 from eagle3.config import RunConfig, resolve  # noqa: E402
 from eagle3.errors import PipelineError  # noqa: E402
 from eagle3.evaluate.run import evaluate_phase  # noqa: E402
@@ -285,7 +287,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--main-recipe", choices=("ablations", "base"), default="ablations")
     ap.add_argument("--no-main", action="store_true", help="the base run and ablations only (e.g. rows left)")
     ap.add_argument("--gen-turns", choices=TURNS, default="all", help="answer each conversation's first turn or all")
-    ap.add_argument("--gen-cache", choices=("dynamic", "static"), default="dynamic", help="HF generate's KV cache")
+    ap.add_argument("--gen-cache", choices=tuple(GEN_CACHES), default="dynamic", help="HF generate's KV cache")
     ap.add_argument("--gen-engine", choices=("generate", "continuous"), default="generate", help="answers by HF "
                     "generate in fixed batches, or by transformers' continuous batching (paged KV cache)")
     ap.add_argument("--all-turns-seq-len", type=int, default=2048, help="every-turn rows' cap; no turn past it")

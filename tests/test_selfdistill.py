@@ -70,12 +70,16 @@ def test_a_tokenizer_whose_eos_is_not_the_end_of_turn_is_said_to_stop_every_conv
     assert fixed["turns"] == 2 and "does not render" not in caplog.text
 
 
-def test_a_static_kv_cache_gives_the_same_answers(smollm2_model, smollm2_tokenizer):
-    """--gen-cache static (the quality bench's option to try on the GPU) changes the cache, not the answers."""
+@pytest.mark.parametrize("cache", ["static", "static-eager"])
+def test_a_static_kv_cache_gives_the_same_answers(smollm2_model, smollm2_tokenizer, cache):
+    """--gen-cache static / static-eager (the quality bench's options to try on the GPU) change the cache, not the
+    answers; generate takes each one's arguments."""
+    from bench.quality_prompts import GEN_CACHES
+
     prompts = [ONE_TURN, TWO_TURNS[0]]  # two lengths: left padding in one batch
     dynamic = sd.generate_answers(smollm2_model, smollm2_tokenizer, prompts, max_new_tokens=10)
     assert sd.generate_answers(smollm2_model, smollm2_tokenizer, prompts, max_new_tokens=10,
-                               cache_implementation="static") == dynamic
+                               **GEN_CACHES[cache]) == dynamic
 
 
 def test_continuous_batching_gives_the_same_answers(smollm2_model, smollm2_tokenizer):
