@@ -59,16 +59,20 @@ def test_align_pairs_groups_each_expert_in_whole_blocks(block_m, skew):
     assert used == sorted(used) and set(used) == set(flat.tolist())
 
 
-@pytest.mark.parametrize("tiles", ["cpu-default", "small", "small-grouped"])
+@pytest.mark.parametrize("tiles", ["cpu-default", "small", "small-grouped", "even"])
 @pytest.mark.parametrize("dtype, atol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
 @pytest.mark.parametrize("tokens, skew", [(1, False), (37, False), (200, True)])
 def test_fused_experts_equal_the_sum_over_pairs(tokens, skew, dtype, atol, tiles, monkeypatch):
-    if tiles != "cpu-default":  # several blocks an expert, several column tiles, K in several steps, ragged edges;
-        from eagle3.extract import fused_moe_kernels  # grouped: programs in groups of 3 row blocks, the last short
+    """Tiles: cpu-default's are wider than H and WIDTH (every load masked); small: several blocks an expert,
+    several column tiles, K in several steps, gate_up's K whole tiles (EVEN_K) and its N not, down's the other way;
+    grouped: programs in groups of 3 row blocks, the last short; even: every width whole tiles (no K or N mask)."""
+    if tiles != "cpu-default":
+        from eagle3.extract import fused_moe_kernels
 
+        size = 16 if tiles == "even" else 32
         monkeypatch.setattr(fused_moe, "block_m_for", lambda *a: 16)
         monkeypatch.setattr(fused_moe_kernels, "CPU_TILES",
-                            {"BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 3 if tiles == "small-grouped" else 1})
+                            {"BLOCK_N": size, "BLOCK_K": size, "GROUP_M": 3 if tiles == "small-grouped" else 1})
     g = torch.Generator().manual_seed(tokens)
     gate_up = (torch.randn(E, 2 * WIDTH, H, generator=g) * 0.1).to(dtype)
     down = (torch.randn(E, H, WIDTH, generator=g) * 0.1).to(dtype)
@@ -230,11 +234,14 @@ def test_every_autotune_config_compiles_for_hopper_and_pipelines_into_wgmma(fp8,
     pointer_types = {"pairs_ptr": "*i32", "block_expert_ptr": "*i32", "weights_ptr": "*fp32", "out_ptr": "*bf16",
                      "x_scale_ptr": "*fp32", "h_scale_ptr": "*fp32", "w_scale_ptr": "*fp32"}
     for name, autotuner in zip(("gate_up", "down"), kernels.GPU[fp8]):
-        fn = autotuner.fn
+        fn = autotuner.fn.fn  # under the heuristics that set EVEN_N / EVEN_K
         aligned = [a for a in fn.arg_names if a.endswith("_ptr") or a.startswith("stride") or a in ("N", "K")]
         attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in aligned}
-        for config in kernels.configs(f"{name}_fp8" if fp8 else name):
-            constants = {"BLOCK_M": block_m, "UPCAST": False, "FP8": fp8, **config.kwargs}
+        # each config at the real targets' widths (whole tiles: no K or N mask), one config with both masks
+        configs = kernels.configs(f"{name}_fp8" if fp8 else name)
+        for config, even in [(c, True) for c in configs] + [(configs[0], False)]:
+            flags = {"EVEN_N": even, "EVEN_K": even}
+            constants = {"BLOCK_M": block_m, "UPCAST": False, "FP8": fp8, **flags, **config.kwargs}
             signature = {a: pointer_types.get(a, values) if a.endswith("_ptr") else "constexpr" if a in constants
                          else "i32" for a in fn.arg_names}
             source = ASTSource(fn=fn, signature=signature, attrs=attrs,
@@ -242,7 +249,7 @@ def test_every_autotune_config_compiles_for_hopper_and_pipelines_into_wgmma(fp8,
             compiled = compile(source, target=GPUTarget("cuda", 90, 32),
                                options={"num_warps": config.num_warps, "num_stages": config.num_stages})
             ir = compiled.asm["ttgir"]
-            where = f"{name} {config}"
+            where = f"{name} {config} {flags}"
             assert compiled.metadata.shared <= HOPPER_SHARED_BYTES, where
             assert "async_copy_global_to_local" in ir and "warp_group_dot" in ir, where
             assert ("f8E4M3FN" in ir) == fp8, where

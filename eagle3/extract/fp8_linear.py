@@ -55,7 +55,7 @@ def fp8_block_gemm(xq: torch.Tensor, xs: torch.Tensor, weight: torch.Tensor, sca
     down[lambda meta: (-(-n // meta["BLOCK_N"]) * (capacity // block_m),)](
         xq, w, out, rows, one_expert, ones, xs, s, t, 1, capacity // block_m, n, k,
         xq.stride(0), 0, w.stride(0), out.stride(0), xs.stride(0), 0, s.stride(0),
-        BLOCK_M=block_m, UPCAST=xq.device.type != "cuda", FP8=True, **tiles)
+        BLOCK_M=block_m, UPCAST=xq.device.type != "cuda", FP8=True, **tiles(n, k))
     return out
 
 

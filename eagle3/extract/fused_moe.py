@@ -32,15 +32,16 @@ FP8_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
 
 
 def kernels(device: torch.device, fp8: bool = False):
-    """(gate_up, down, fixed tiles) for `device`: on CUDA compiled and autotuned (tiles per dtype), elsewhere
-    interpreted. ConfigError when Triton is not installed."""
+    """(gate_up, down, tiles) for `device`: on CUDA compiled and autotuned (tiles per dtype), elsewhere
+    interpreted; tiles(n, k) gives a launch at widths n x k its tile arguments (none where autotuned).
+    ConfigError when Triton is not installed."""
     try:
-        from eagle3.extract import fused_moe_kernels
+        from eagle3.extract import fused_moe_kernels as fk
     except ImportError as e:
         raise ConfigError(f"{PARAM} needs the triton package ({e}); use 'grouped_mm'") from e
     if device.type == "cuda":
-        return (*fused_moe_kernels.GPU[fp8], {})
-    return (*fused_moe_kernels.CPU, fused_moe_kernels.CPU_TILES)
+        return (*fk.GPU[fp8], lambda n, k: {})
+    return (*fk.CPU, lambda n, k: fk.fixed_tiles(fk.CPU_TILES, n, k))
 
 
 def quantize_groups(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -149,7 +150,7 @@ def fused_experts(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: tor
     gate_up[lambda meta: (-(-width // meta["BLOCK_N"]) * num_blocks,)](
         xq, w1, h, pairs, block_expert, xs, s1, s, top_k, num_experts, num_blocks, width, hidden,
         xq.stride(0), w1.stride(0), w1.stride(1), h.stride(0), xs.stride(0), s1.stride(0), s1.stride(1),
-        BLOCK_M=block_m, UPCAST=upcast, FP8=fp8, **tiles)
+        BLOCK_M=block_m, UPCAST=upcast, FP8=fp8, **tiles(width, hidden))
     hq, hs = quantize_groups(h) if fp8 else (h, h)
     # (under expert parallelism the other ranks' pairs are never written: zeros, not garbage times a zero weight)
     out = (torch.zeros if expert_parallel else torch.empty)(s, hidden, dtype=x.dtype, device=x.device)
@@ -157,7 +158,7 @@ def fused_experts(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: tor
     down[lambda meta: (-(-hidden // meta["BLOCK_N"]) * num_blocks,)](
         hq, w2, out, pairs, block_expert, weights, hs, s2, s, num_experts, num_blocks, hidden, width,
         hq.stride(0), w2.stride(0), w2.stride(1), out.stride(0), hs.stride(0), s2.stride(0), s2.stride(1),
-        BLOCK_M=block_m, UPCAST=upcast, FP8=fp8, **tiles)
+        BLOCK_M=block_m, UPCAST=upcast, FP8=fp8, **tiles(hidden, width))
     return out.view(t, top_k, hidden).sum(dim=1).to(x.dtype)
 
 

@@ -25,7 +25,8 @@ from triton.runtime.interpreter import InterpretedFunction
 def gate_up_kernel(x_ptr, w_ptr, out_ptr, pairs_ptr, block_expert_ptr, x_scale_ptr, w_scale_ptr, num_pairs, top_k,
                    num_experts, num_m, N, K, stride_x, stride_we, stride_wn, stride_out, stride_xs, stride_se,
                    stride_sn, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   GROUP_M: tl.constexpr, UPCAST: tl.constexpr, FP8: tl.constexpr):
+                   GROUP_M: tl.constexpr, UPCAST: tl.constexpr, FP8: tl.constexpr, EVEN_N: tl.constexpr,
+                   EVEN_K: tl.constexpr):
     """out[row, n] = SiLU(x[token] . w[e, n]) * (x[token] . w[e, N + n]) for the block's expert e; x is [T, K]
     (K = hidden), w is gate_up_proj [E, 2N, K] (N = expert width), out's rows in the padded sorted order.
     FP8: x and w are float8 with scales per 128 (x_scale [T, K / 128], w_scale [E, 2N / 128, K / 128]) and
@@ -51,10 +52,19 @@ def gate_up_kernel(x_ptr, w_ptr, out_ptr, pairs_ptr, block_expert_ptr, x_scale_p
     acc_g = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
     acc_u = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        k_ok = ks < K - k0
-        a = tl.load(a_ptrs, mask=live[:, None] & k_ok[None, :], other=0.0)
-        g = tl.load(g_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-        u = tl.load(u_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        if EVEN_K:  # whole K steps: the loads keep only masks that do not change along the loop
+            a = tl.load(a_ptrs, mask=live[:, None], other=0.0)
+            if EVEN_N:
+                g = tl.load(g_ptrs)
+                u = tl.load(u_ptrs)
+            else:
+                g = tl.load(g_ptrs, mask=col_ok[None, :], other=0.0)
+                u = tl.load(u_ptrs, mask=col_ok[None, :], other=0.0)
+        else:
+            k_ok = ks < K - k0
+            a = tl.load(a_ptrs, mask=live[:, None] & k_ok[None, :], other=0.0)
+            g = tl.load(g_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+            u = tl.load(u_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
         if UPCAST:
             a, g, u = a.to(tl.float32), g.to(tl.float32), u.to(tl.float32)
         if FP8:
@@ -79,7 +89,8 @@ def gate_up_kernel(x_ptr, w_ptr, out_ptr, pairs_ptr, block_expert_ptr, x_scale_p
 def down_kernel(h_ptr, w_ptr, out_ptr, pairs_ptr, block_expert_ptr, weights_ptr, h_scale_ptr, w_scale_ptr,
                 num_pairs, num_experts, num_m, N, K, stride_h, stride_we, stride_wn, stride_out, stride_hs, stride_se,
                 stride_sn, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                GROUP_M: tl.constexpr, UPCAST: tl.constexpr, FP8: tl.constexpr):
+                GROUP_M: tl.constexpr, UPCAST: tl.constexpr, FP8: tl.constexpr, EVEN_N: tl.constexpr,
+                EVEN_K: tl.constexpr):
     """out[pair, n] = weight[pair] * (h[row] . w[e, n]); h is gate_up's output [rows, K] (K = expert width), w is
     down_proj [E, N, K] (N = hidden), out is [S, N] in pair order. FP8: as gate_up's, h_scale [rows, K / 128]."""
     # column tile first within groups of GROUP_M row blocks (inline: the interpreter calls no @jit helper)
@@ -100,9 +111,13 @@ def down_kernel(h_ptr, w_ptr, out_ptr, pairs_ptr, block_expert_ptr, weights_ptr,
     col_ok = cols < N
     acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        k_ok = ks < K - k0
-        a = tl.load(a_ptrs, mask=live[:, None] & k_ok[None, :], other=0.0)
-        w = tl.load(w_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        if EVEN_K:  # as gate_up's
+            a = tl.load(a_ptrs, mask=live[:, None], other=0.0)
+            w = tl.load(w_ptrs) if EVEN_N else tl.load(w_ptrs, mask=col_ok[None, :], other=0.0)
+        else:
+            k_ok = ks < K - k0
+            a = tl.load(a_ptrs, mask=live[:, None] & k_ok[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
         if UPCAST:
             a, w = a.to(tl.float32), w.to(tl.float32)
         if FP8:
@@ -168,11 +183,18 @@ def configs(kernel: str) -> list:
             for n, k, s, w in TILES[kernel] for g in GROUPS_M]
 
 
+def even(n: int, k: int, block_n: int, block_k: int) -> dict:
+    """EVEN_N / EVEN_K: the widths are whole tiles, so the K loop's loads drop the masks that change each step."""
+    return {"EVEN_N": n % block_n == 0, "EVEN_K": k % block_k == 0}
+
+
 def autotuned(fn, kernel: str):
     # cache_results (Triton >= 3.2): the timings land in Triton's cache folder, which Inductor points into the
     # worker's compile cache (eagle3.extract.compile_cache), so the next shard task on the worker skips them
     keep = {"cache_results": True} if "cache_results" in inspect.signature(triton.autotune).parameters else {}
-    return triton.autotune(configs(kernel), key=["N", "K", "BLOCK_M"], **keep)(triton.jit(fn))
+    flags = {f: lambda a, f=f: even(a["N"], a["K"], a["BLOCK_N"], a["BLOCK_K"])[f] for f in ("EVEN_N", "EVEN_K")}
+    return triton.autotune(configs(kernel), key=["N", "K", "BLOCK_M"], **keep)(
+        triton.heuristics(flags)(triton.jit(fn)))
 
 
 GPU = {False: (autotuned(gate_up_kernel, "gate_up"), autotuned(down_kernel, "down")),
@@ -181,3 +203,9 @@ CPU = (InterpretedFunction(gate_up_kernel), InterpretedFunction(down_kernel))
 # (kernel, rows a program): on the CPU few programs (the interpreter's time goes by programs)
 QUANTIZE = {"cuda": (triton.jit(quantize_kernel), 32), "cpu": (InterpretedFunction(quantize_kernel), 1024)}
 CPU_TILES = {"BLOCK_N": 128, "BLOCK_K": 128, "GROUP_M": 1}  # the interpreter: no autotuning; few programs
+
+
+def fixed_tiles(tiles: dict, n: int, k: int) -> dict:
+    """The interpreter's fixed tiles with their EVEN flags at widths n x k (on a GPU the autotuner and the
+    heuristics set them per config)."""
+    return {**tiles, **even(n, k, tiles["BLOCK_N"], tiles["BLOCK_K"])}
