@@ -234,7 +234,11 @@ def test_every_autotune_config_compiles_for_hopper_and_pipelines_into_wgmma(fp8,
     pointer_types = {"pairs_ptr": "*i32", "block_expert_ptr": "*i32", "weights_ptr": "*fp32", "out_ptr": "*bf16",
                      "x_scale_ptr": "*fp32", "h_scale_ptr": "*fp32", "w_scale_ptr": "*fp32"}
     for name, autotuner in zip(("gate_up", "down"), kernels.GPU[fp8]):
-        fn = autotuner.fn.fn  # under the heuristics that set EVEN_N / EVEN_K
+        fn = autotuner.fn.fn  # under the heuristics that set EVEN_N / EVEN_K from the launch and its config
+        flag = autotuner.fn.values
+        widths = {"N": 768, "K": 2048, "BLOCK_N": 128, "BLOCK_K": 64}  # Qwen3-30B-A3B's gate_up
+        assert flag["EVEN_N"](widths) and flag["EVEN_K"](widths)
+        assert not flag["EVEN_N"]({**widths, "N": 720}) and not flag["EVEN_K"]({**widths, "K": 2000})
         aligned = [a for a in fn.arg_names if a.endswith("_ptr") or a.startswith("stride") or a in ("N", "K")]
         attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in aligned}
         # each config at the real targets' widths (whole tiles: no K or N mask), one config with both masks
