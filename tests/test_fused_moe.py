@@ -279,3 +279,34 @@ def test_the_quantize_kernel_compiles_for_hopper_into_one_pass_of_wide_loads(dty
     ptx = compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]
     assert "ld.global.v4" in ptx and "cvt.rn.satfinite.e4m3x2.f32" in ptx
     assert "div.rn.f32" in ptx and "div.full" not in ptx  # x / scale exactly, as torch divides
+
+
+GPU_CHAIN = """
+import torch
+from eagle3.extract import fused_moe, fused_moe_kernels as fk
+torch.manual_seed(0)
+t, h, w, e, k = 40, 256, 128, 4, 2
+x, idx = torch.randn(t, h), torch.stack([torch.randperm(e)[:k] for _ in range(t)])
+up, down, weights = torch.randn(e, 2 * w, h) * 0.05, torch.randn(e, h, w) * 0.05, torch.rand(t, k)
+want = fused_moe.fused_experts(x, idx, weights, up, down)
+tile = {"BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 1}  # an autotune config's kwargs, without the EVEN flags
+fused_moe.kernels = lambda device, fp8=False: (fk.GPU[fp8][0].fn, fk.GPU[fp8][1].fn, lambda n, k: tile)
+print(float((fused_moe.fused_experts(x, idx, weights, up, down) - want).abs().max()))
+"""
+
+
+def test_the_gpus_heuristics_set_the_even_flags_of_a_real_launch():
+    """On a GPU the kernels launch through the autotuner, whose config then passes through the heuristics that set
+    EVEN_N / EVEN_K from the launch's widths and the config's tiles. The CPU path never takes that chain: here
+    the GPU's own kernel objects (below the autotuner, which needs a driver) launch in Triton's interpreter, which
+    must be switched on before triton is imported: a process of its own."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    run = subprocess.run([sys.executable, "-c", GPU_CHAIN], env=env, capture_output=True, text=True, timeout=600,
+                         cwd=Path(__file__).resolve().parents[1])
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert float(run.stdout.split()[-1]) < 1e-5
