@@ -113,18 +113,17 @@ def generate(args, prompts: list[list[str]], model_path: Path, root: Path, tempe
             dtype = "bfloat16" if device == "cuda" else "float32"
             model, tok = load_model(model_path, dtype=dtype, device=device), load_tokenizer(model_path)
         t = time.time()
-        cache = GEN_CACHES[args.gen_cache]
         answer = functools.partial(sd.generate_answers, model, tok, chunk, args.new_tokens, batch_size=args.gen_batch,
                                    log_every=4, temperature=temperature, seed=1 + i // args.part_size,
-                                   max_context=args.all_turns_seq_len, **cache)
+                                   max_context=args.all_turns_seq_len)
         try:
-            samples = answer(engine=args.gen_engine)
-        except Exception:  # noqa: BLE001 - an engine not measured yet must not cost the session's answers
-            if args.gen_engine == "generate":
+            samples = answer(engine=args.gen_engine, **GEN_CACHES[args.gen_cache])
+        except Exception:  # noqa: BLE001 - an engine or cache not measured yet must not cost the session's answers
+            if (args.gen_engine, args.gen_cache) == ("generate", "dynamic"):
                 raise
-            log.exception("%s/%s: --gen-engine %s failed; this and later parts use HF generate", root.name, name,
-                          args.gen_engine)
-            args.gen_engine, t = "generate", time.time()
+            log.exception("%s/%s: --gen-engine %s --gen-cache %s failed; this and later parts use HF generate with "
+                          "the dynamic cache", root.name, name, args.gen_engine, args.gen_cache)
+            args.gen_engine, args.gen_cache, t = "generate", "dynamic", time.time()
             samples = answer(engine="generate")
         clock.record("generate", len(chunk), time.time() - t)
         (root / name).mkdir(parents=True, exist_ok=True)

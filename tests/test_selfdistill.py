@@ -5,6 +5,7 @@ tokenizer (eagle3.datagen.tokenize) builds for the same conversation."""
 from __future__ import annotations
 
 import copy
+import json
 import logging
 
 import pytest
@@ -92,3 +93,31 @@ def test_continuous_batching_gives_the_same_answers(smollm2_model, smollm2_token
     assert continuous == batched and [s["turns"] for s in continuous] == [1, 2]
     with pytest.raises(ValueError, match="engine='paged'"):
         sd.generate_answers(smollm2_model, smollm2_tokenizer, prompts, max_new_tokens=10, engine="paged")
+
+
+def test_a_generation_option_that_fails_falls_back_to_hf_generate_and_answers_the_part(smollm2_path, tmp_path,
+                                                                                         monkeypatch, caplog):
+    """--gen-cache / --gen-engine options not yet run on a GPU must not cost a session's answers: a part whose
+    option fails is answered by HF generate with the dynamic cache, and so are the later parts."""
+    import time
+    from types import SimpleNamespace
+
+    from bench import quality_prompts as qp
+    from bench.quality_plan import Clock
+
+    monkeypatch.setitem(qp.GEN_CACHES, "static-eager", {"cache_implementation": "static", "no_such_argument": 1})
+    args = SimpleNamespace(part_size=1, new_tokens=8, gen_batch=4, all_turns_seq_len=0, gen_engine="generate",
+                           gen_cache="static-eager")
+    clock = Clock(time.time() + 600, tmp_path / "clock.json")
+    with caplog.at_level(logging.INFO, logger="quality"):
+        answered = qp.generate(args, [[ONE_TURN], TWO_TURNS], smollm2_path, tmp_path / "greedy", 0.0, clock, "cpu")
+    assert answered == 2 and (args.gen_engine, args.gen_cache) == ("generate", "dynamic")
+    assert "P000: --gen-engine generate --gen-cache static-eager failed; this and later parts use HF generate" \
+        in caplog.text
+    files = [tmp_path / "greedy" / part / "tokenized.jsonl" for part in ("P000", "P001")]
+    parts = [json.loads(line) for f in files for line in f.open()]
+    assert [s["turns"] for s in parts] == [1, 2]
+    args.gen_cache = "dynamic"  # the measured path fails loudly
+    monkeypatch.setitem(qp.GEN_CACHES, "dynamic", {"no_such_argument": 1})
+    with pytest.raises(ValueError, match="no_such_argument"):
+        qp.generate(args, [[ONE_TURN]], smollm2_path, tmp_path / "again", 0.0, clock, "cpu")
