@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import fcntl
 import importlib.util
-import json
 import logging
 import os
 import shutil
@@ -20,7 +19,7 @@ from pathlib import Path
 
 from eagle3.errors import ConfigError, PipelineError
 from eagle3.fit import load_config
-from eagle3.io import atomic_write_json, sha256_file
+from eagle3.io import atomic_write_json, read_json, sha256_file
 
 log = logging.getLogger(__name__)
 
@@ -275,7 +274,7 @@ def converted(out: Path) -> bool:
     """A finished conversion whose special tokens were checked against the GGUF's metadata (a folder converted
     before that check, "special_tokens" missing from its marker, may hold a wrong eos: converted again)."""
     try:
-        return "special_tokens" in json.loads((out / COMPLETE_MARKER).read_text())
+        return "special_tokens" in read_json(out / COMPLETE_MARKER)
     except (OSError, ValueError):
         return False
 
