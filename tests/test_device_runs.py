@@ -296,7 +296,7 @@ def test_bad_variants_studies_and_ablations_are_reported():
     assert variant_problems("a:experts=triton;b:mode=max-autotune") == [
         "--variants a: experts_implementation='triton' is not one of "
         "['auto', 'eager', 'batched_mm', 'grouped_mm', 'triton_fused']",
-        "--variants b: compile_mode='max-autotune' is not one of ['default', 'max-autotune-no-cudagraphs']"]
+        "--variants b: compile_mode='max-autotune' is not one of ['auto', 'default', 'max-autotune-no-cudagraphs']"]
     assert variant_problems("p:pad=0x40") == ["--variants p: pad_multiple='0x40' does not match ^(auto|[1-9][0-9]*)$"]
     found = doc_problems("`--studies data3k,data_firts` and `--ablations batch64,batch61`")
     assert list(found) == ["--studies@L1", "--ablations@L1"]

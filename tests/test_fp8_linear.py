@@ -204,6 +204,24 @@ def test_torch_block_scaled_gemm_is_refused_where_it_cannot_run():
     assert not fp8_linear.scaled_mm_takes(shape(in_features=7168, out_features=100))
 
 
+def test_auto_takes_torch_block_scaled_gemm_where_it_runs(monkeypatch):
+    """fp8_linear="auto" runs torch's block-scaled GEMM where it runs (1.35x the Triton linears on the whole
+    extractor, docs/benchmarks.md), each linear it does not take as it is on the Triton kernel; elsewhere the
+    Triton kernel."""
+    _, model = fp8_checkpoint_model()
+    linears = fp8_linear.fp8_linears(model)
+    assert fp8_linear.apply(model, "auto") == "triton"  # the CPU
+    monkeypatch.setattr(fp8_linear, "scaled_mm_runs", lambda device: True)
+    assert fp8_linear.apply(model, "auto") == "scaled_mm"
+    # this tiny target's widths are all under cuBLASLt's 4 K blocks: every linear keeps the Triton kernel
+    assert all(type(m).__mro__[1] is fp8_linear.TritonFP8Linear for m in linears.values())
+    # where the shape rule takes some (here: those reading the hidden size), those and only those run torch's GEMM
+    monkeypatch.setattr(fp8_linear, "scaled_mm_takes", lambda m: m.in_features == FP8_DSV3["hidden_size"])
+    assert fp8_linear.apply(model, "auto") == "scaled_mm"
+    took = {n for n, m in linears.items() if isinstance(m, fp8_linear.ScaledMMFP8Linear)}
+    assert took and took == {n for n, m in linears.items() if m.in_features == FP8_DSV3["hidden_size"]} != set(linears)
+
+
 def test_quantize_linears_builds_the_modules_of_an_fp8_checkpoint():
     """FP8 on load of a bf16 target (the benchmark's `--fp8-weights` on an MLA/MoE target) gives the module tree and
     the tensors an FP8 checkpoint of the same weights loads as, so it measures the checkpoint's path."""

@@ -183,9 +183,9 @@ def test_class_defaults_and_refusals(targets):
     assert EXPERTS_CHOICES == moe.EXPERTS_CHOICES and COMPILE_SCOPES == moe.COMPILE_SCOPES
     ds, llama = load_model(targets["deepseek_v3"]), load_model(targets["llama"])
     assert moe.resolve(ds, "auto", "auto") == {"class": "moe-mla", "experts_implementation": "grouped_mm",
-                                               "compile_scope": "layers"}
+                                               "compile_scope": "layers", "compile_mode": "default"}
     assert moe.resolve(llama, "auto", "auto") == {"class": "dense", "experts_implementation": None,
-                                                  "compile_scope": "layers"}
+                                                  "compile_scope": "layers", "compile_mode": "default"}
     assert len(moe.compile_targets(ds.model, "moe-blocks")) == 4  # the first layer is dense
     # a class whose default is the fused kernels runs them on a GPU where they read the layout, else grouped_mm
     experts, cuda = moe.experts_modules(ds), torch.device("cuda")
@@ -282,6 +282,27 @@ def test_compile_mode_choices_are_the_backends_and_a_bad_one_is_refused(targets,
     with pytest.raises(ConfigError, match="compile_mode"):
         phase(ExtractConfig, model_path=str(targets["qwen3_moe"]), extract_dir=str(tmp_path), capture_layers=CAPTURE,
               compile_mode="max-autotune")
+
+
+def test_compile_mode_auto_is_the_target_class_default(targets, tmp_path):
+    """compile_mode="auto" resolves before the manifest records it: max-autotune-no-cudagraphs for an MoE target
+    that is compiled (1.06x steady on the Qwen3-30B-A3B shape), "default" for dense and MoE-MLA targets and
+    wherever nothing is compiled; a named mode stays as named. The hf backend resolves it alike at load."""
+    from eagle3.extract.backend import HFBackend
+    from eagle3.extract.extractor import resolve_compile_mode
+
+    def mode(target, **kw):
+        cfg = phase(ExtractConfig, model_path=str(targets[target]), extract_dir=str(tmp_path), capture_layers=CAPTURE,
+                    device="cpu", **kw)
+        return resolve_compile_mode(cfg).compile_mode
+
+    assert mode("qwen3_moe", compile=True) == moe.AUTOTUNE
+    assert mode("qwen3_moe", compile=False) == mode("llama", compile=True) == "default"
+    assert mode("deepseek_v3", compile=True) == "default"  # not measured there
+    assert mode("qwen3_moe", compile=True, compile_mode="default") == "default"
+    backend = HFBackend(compile=False)
+    backend.load(str(targets["qwen3_moe"]), "float32", "cpu", CAPTURE)
+    assert backend.resolved["compile_mode"] == moe.AUTOTUNE
 
 
 @pytest.mark.slow

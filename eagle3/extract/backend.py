@@ -30,8 +30,9 @@ SDPA_KERNELS = {"auto": None, "flash": "FLASH_ATTENTION", "cudnn": "CUDNN_ATTENT
                 "efficient": "EFFICIENT_ATTENTION", "math": "MATH"}
 CUDA_ONLY_KERNELS = ("cudnn", "efficient")
 # torch.compile's modes a run can choose (`compile_mode`); max-autotune-no-cudagraphs times Inductor's Triton GEMM
-# templates (on Hopper its TMA grouped GEMM for the MoE experts) against cuBLAS / aten's _grouped_mm per shape
-COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
+# templates (on Hopper its TMA grouped GEMM for the MoE experts) against cuBLAS / aten's _grouped_mm per shape;
+# auto = the target class's (eagle3.extract.moe.CLASS_DEFAULTS), resolved at load
+COMPILE_MODES = ("auto", "default", "max-autotune-no-cudagraphs")
 
 
 def check_dtype(dtype: str, device: str) -> torch.dtype:
@@ -78,8 +79,8 @@ def compile_for(fn, attention: str, mode: str = "default"):
     traced for another (seen on the H200: attention="cudnn" ran FlashAttention after a flash run had filled the
     cache) and leaves its own graph for later runs of other kernels. So a pinned kernel compiles without them
     (every task traces afresh); "auto" keeps them."""
-    if mode not in COMPILE_MODES:
-        raise ConfigError(f"extract param compile_mode={mode!r}: use one of {list(COMPILE_MODES)}")
+    if mode not in COMPILE_MODES[1:]:
+        raise ConfigError(f"extract param compile_mode={mode!r}: use one of {list(COMPILE_MODES[1:])}")
     # torch.compile takes a mode or options, not both: the mode as the options it stands for
     from torch._inductor import list_mode_options
 
@@ -172,7 +173,7 @@ class HFBackend:
 
     def __init__(self, model=None, info: ModelInfo | None = None, compile: bool = False, attention: str = "auto",
                  tp_plan: str | None = None, experts: str = "auto", compile_scope: str = "auto",
-                 compile_mode: str = "default", fp8_linear: str = "auto"):
+                 compile_mode: str = "auto", fp8_linear: str = "auto"):
         self.model = model  # a preloaded *ForCausalLM (the benchmark builds random-weight ones)
         self.experts, self.compile_scope = experts, compile_scope  # eagle3.extract.moe
         self.fp8_linear = fp8_linear  # an FP8 checkpoint's linears (eagle3.extract.fp8_linear)
@@ -189,7 +190,7 @@ class HFBackend:
     def load(self, model_path: str, dtype: str, device: str, capture_layers: list[int]) -> None:
         check_attention(self.attention, device)
         load_decoder(self, model_path, dtype, device, capture_layers, tp_plan=self.tp_plan)
-        self.resolved = moe.resolve(self.model, self.experts, self.compile_scope)
+        self.resolved = moe.resolve(self.model, self.experts, self.compile_scope, self.compile_mode)
         moe.apply_experts_implementation(self.model, self.resolved["experts_implementation"])
         self.resolved["fp8_linear"] = fp8_linear.apply(self.model, self.fp8_linear)
         # flash on MLA (v heads narrower than q/k): v zero-padded (eagle3.extract.attention)
@@ -215,12 +216,13 @@ class HFBackend:
             if "_eagle3_eager_forward" in module.__dict__ and not any(module is m for m in modules):
                 module.forward = module.__dict__.pop("_eagle3_eager_forward")
                 module._eagle3_compiled = None
-        compiled_for = (self.attention, self.compile_mode)
+        mode = self.resolved.get("compile_mode", self.compile_mode)
+        compiled_for = (self.attention, mode)
         for module in modules:
             if getattr(module, "_eagle3_compiled", None) != compiled_for:
                 eager = module.__dict__.get("_eagle3_eager_forward", module.forward)
                 module._eagle3_eager_forward = eager
-                module.forward = compile_for(eager, self.attention, self.compile_mode)
+                module.forward = compile_for(eager, self.attention, mode)
                 module._eagle3_compiled = compiled_for
 
     def _make_hook(self, index: int):

@@ -28,7 +28,7 @@ ATTENTION_CHOICES = ("auto", "flash", "cudnn", "efficient", "math")
 # (the choices are eagle3.extract.moe's, repeated here to keep this module torch-free; a test holds them equal)
 EXPERTS_CHOICES = ("auto", "eager", "batched_mm", "grouped_mm", "triton_fused")
 COMPILE_SCOPES = ("auto", "layers", "moe-blocks")
-COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")  # eagle3.extract.backend's (a test holds them equal)
+COMPILE_MODES = ("auto", "default", "max-autotune-no-cudagraphs")  # eagle3.extract.backend's (a test holds them equal)
 FP8_LINEAR_CHOICES = ("auto", "transformers", "triton", "scaled_mm")  # = eagle3.extract.fp8_linear.CHOICES (tested)
 STATE_PARAMS = ("model_path", "capture_layers", "dtype", "storage_dtype", "backend", "attention",
                 "experts_implementation", "compile_mode", "fp8_linear")
@@ -87,16 +87,18 @@ class ExtractConfig:
                               help="What is compiled: layers (each decoder layer), moe-blocks (only the MoE "
                                    "blocks); auto = the default of the target's class.")
     # a state param: the GEMM kernels it picks sum in another order
-    compile_mode: str = knob("default", choices=COMPILE_MODES,
+    compile_mode: str = knob("auto", choices=COMPILE_MODES,
                              help="torch.compile's mode: default, or max-autotune-no-cudagraphs (Inductor times its "
                                   "Triton GEMM templates, on Hopper a TMA grouped GEMM for MoE experts, against "
-                                  "cuBLAS and aten's _grouped_mm, shape by shape; longer compiles).")
+                                  "cuBLAS and aten's _grouped_mm, shape by shape; longer compiles); auto = the "
+                                  "default of the target's class (max-autotune-no-cudagraphs for MoE targets, "
+                                  "default elsewhere and where nothing is compiled).")
     # a state param: the two kernels quantize the activations alike but sum in another order
     fp8_linear: str = knob("auto", choices=FP8_LINEAR_CHOICES,
                            help="FP8 checkpoints (128 x 128 blocks, as DeepSeek-V3 ships): the linears' kernel. "
                                 "triton: the project's (eagle3.extract.fp8_linear, no hub); scaled_mm: torch's "
                                 "block-scaled FP8 GEMM (Hopper); transformers: its finegrained-fp8 or DeepGEMM "
-                                "kernels, fetched from the hub; auto = triton.")
+                                "kernels, fetched from the hub; auto = scaled_mm where it runs, else triton.")
     compile_cache_dir: str = knob("auto", help="torch's compile caches, shared by the shard tasks of a worker: auto "
                                                "= $EAGLE3_COMPILE_CACHE or ~/.cache/eagle3/compile/<host>; off = "
                                                "torch's default; else a folder (eagle3.extract.compile_cache).")

@@ -29,11 +29,12 @@ import torch
 
 from eagle3.errors import ConfigError
 from eagle3.extract.backend import DTYPES, ExtractionBackend, HFBackend, check_attention
+from eagle3.extract import moe
 from eagle3.extract.compile_cache import use_compile_cache
 from eagle3.extract.batches import PlanSegment, padded_length, plan_segments, real_token_index
 from eagle3.extract.config import ADDED_STATE_PARAMS, AUTO_PLAN, FP8, ExtractConfig
 from eagle3.extract.format import CorruptChunkError, ShardManifest, load_chunk
-from eagle3.fit import bytes_per_token
+from eagle3.fit import bytes_per_token, load_config
 from eagle3.extract.fused_llama import FusedLlamaBackend
 from eagle3.extract.memory import ExtractOOMError, check_batch_fits, is_oom, oom_message
 from eagle3.extract.pipeline import ChunkPipeline, HostBufferPool, StateBuffers, store_states
@@ -73,6 +74,19 @@ def resolve_for_device(cfg: ExtractConfig) -> ExtractConfig:
         pad_multiple=1 if cfg.pad_multiple == "auto" and not cuda else cfg.pad_multiple, **plan)
 
 
+def resolve_compile_mode(cfg: ExtractConfig, backend: ExtractionBackend | None = None) -> ExtractConfig:
+    """compile_mode="auto" as the target class's default (eagle3.extract.moe.CLASS_DEFAULTS), read from the
+    preloaded model's config or model_path's config.json; "default" where nothing is compiled. A state param: the
+    manifest records the mode that ran."""
+    if cfg.compile_mode != "auto":
+        return cfg
+    if not cfg.compile:
+        return dataclasses.replace(cfg, compile_mode="default")
+    model = getattr(backend, "model", None)
+    config = model.config.to_dict() if model is not None else load_config(cfg.target.model_path)
+    return dataclasses.replace(cfg, compile_mode=moe.class_compile_mode(config, "auto"))
+
+
 @dataclass(frozen=True)
 class ModelShape:
     """What extraction needs of the target: read from config.json, or given with a model built in memory."""
@@ -106,7 +120,7 @@ class ShardExtractor:
             self.info = None
             self.shape = ModelShape(str(cfg.target.model_path), int(model_config["num_layers"]),
                                     int(model_config["hidden_size"]), int(model_config["intermediate_size"]))
-        self.cfg = cfg
+        self.cfg = cfg = resolve_compile_mode(cfg, backend)
         self.shard_dir = Path(cfg.extract_dir) / f"shard-{self.spec.shard:05d}"
         self.storage = STORAGE_DTYPES[cfg.storage_dtype]
         token_bytes = bytes_per_token(len(cfg.target.capture_layers), self.shape.hidden_size, cfg.storage_dtype)

@@ -11,8 +11,9 @@ checkpoint's dynamic activation scheme; the scales applied per K block), its aut
 fp8_linear="scaled_mm": the same quantized input through torch's block-scaled FP8 GEMM (`F.scaled_mm`, 1 x 128
 activation and 128 x 128 weight blocks, cuBLASLt on Hopper): 0.74-1.27 PFLOP/s at DeepSeek-V3's widths on an H100
 against the Triton kernel's 0.3-0.6, results 2e-5 apart (bench/kernels_check.py, docs/benchmarks.md, 2026-12-05),
-for each linear whose shape cuBLASLt takes without padding (the others run the Triton kernel). Not yet "auto": it
-has not run on the whole extractor (docs/device-runs.md, call 6); the extractor records what ran, so a resume
+for each linear whose shape cuBLASLt takes without padding (the others run the Triton kernel). "auto" where it
+runs: on the whole extractor (random DeepSeek-V3 shape at 4 layers in the checkpoint's blocks, side by side, one
+H100, 2026-12-05) 1.35x the Triton linears' steady rate, 1.46x bf16's. The extractor records what ran, so a resume
 cannot mix the two.
 """
 
@@ -25,7 +26,7 @@ from eagle3.extract.fused_moe import FP8_BLOCK, block_m_for, kernels, quantize_b
 
 NAME = "triton"
 SCALED_MM = "scaled_mm"
-CHOICES = ("auto", "transformers", NAME, SCALED_MM)  # auto = NAME: the path that needs no hub and runs anywhere
+CHOICES = ("auto", "transformers", NAME, SCALED_MM)  # auto: SCALED_MM where scaled_mm_runs, else NAME (no hub)
 PARAM = "extract param fp8_linear"
 ROW_MULTIPLE = 16  # fp8_block_scaled_gemm pads T to it
 
@@ -152,15 +153,15 @@ class ScaledMMFP8Linear(TritonFP8Linear):
 
 
 def apply(model, choice: str) -> str | None:
-    """Run the model's FP8 linears through `choice` ("auto" = NAME); None when it has none. Reversible: a model
-    set to NAME and then to "transformers" runs transformers' forward again."""
+    """Run the model's FP8 linears through `choice` ("auto": SCALED_MM where it runs, else NAME); None when it has
+    none. Reversible: a model set to NAME and then to "transformers" runs transformers' forward again."""
     if choice not in CHOICES:
         raise ConfigError(f"{PARAM}={choice!r}: use one of {list(CHOICES)}")
     modules = fp8_linears(model)
     if not modules:
         return None
     device = next(iter(modules.values())).weight.device
-    name = NAME if choice == "auto" else choice
+    name = choice if choice != "auto" else SCALED_MM if scaled_mm_runs(device) else NAME
     if name == SCALED_MM and not scaled_mm_runs(device):
         raise ConfigError(f"{PARAM}={name!r}: torch's block-scaled FP8 GEMM runs on a Hopper GPU with torch 2.10+, "
                           f"not on {device}; use 'auto' or {NAME!r}")

@@ -66,10 +66,11 @@ class FusedLlamaBackend:
     """`ExtractionBackend` for Llama-family models with fused q/k/v and gate/up weights (see module doc)."""
 
     def __init__(self, model=None, info: ModelInfo | None = None, compile: bool = False, attention: str = "auto",
-                 compile_mode: str = "default"):
+                 compile_mode: str = "auto"):
         self.model = model  # a preloaded *ForCausalLM (the benchmark's random-weight ones); else loaded from the path
         self.info = info
-        self.compile, self.compile_mode = compile, compile_mode  # compile_mode: a key of backend.COMPILE_MODES
+        # compile_mode: a key of backend.COMPILE_MODES; auto = the dense class's, default
+        self.compile, self.compile_mode = compile, "default" if compile_mode == "auto" else compile_mode
         self.attention = attention  # SDPA kernel: a key of eagle3.extract.backend.SDPA_KERNELS
 
     def load(self, model_path: str, dtype: str, device: str, capture_layers: list[int]) -> None:

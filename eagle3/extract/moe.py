@@ -23,11 +23,14 @@ EXPERTS_CHOICES = ("auto", "eager", "batched_mm", "grouped_mm", "triton_fused")
 # layers: each decoder layer (and the final norm) compiled, one graph for all; moe-blocks: only the MoE blocks
 # (router, routed and shared experts), attention and dense layers eager
 COMPILE_SCOPES = ("auto", "layers", "moe-blocks")
+# compile_mode: max-autotune-no-cudagraphs ran the Qwen3-30B-A3B shape 1.07x wall / 1.06x steady over the default
+# mode on a 2e6-token shard (one H100, 2026-12-05, docs/benchmarks.md); not measured on the other classes
+AUTOTUNE = "max-autotune-no-cudagraphs"
 CLASS_DEFAULTS = {
-    "dense": {"experts_implementation": None, "compile_scope": "layers"},
-    "moe": {"experts_implementation": fused_moe.NAME, "compile_scope": "layers"},
-    "mla": {"experts_implementation": None, "compile_scope": "layers"},  # not measured: as dense
-    "moe-mla": {"experts_implementation": fused_moe.NAME, "compile_scope": "layers"},
+    "dense": {"experts_implementation": None, "compile_scope": "layers", "compile_mode": "default"},
+    "moe": {"experts_implementation": fused_moe.NAME, "compile_scope": "layers", "compile_mode": AUTOTUNE},
+    "mla": {"experts_implementation": None, "compile_scope": "layers", "compile_mode": "default"},  # as dense
+    "moe-mla": {"experts_implementation": fused_moe.NAME, "compile_scope": "layers", "compile_mode": "default"},
 }
 FALLBACK_EXPERTS = "grouped_mm"  # where the fused kernels cannot run compiled (auto_experts)
 
@@ -36,9 +39,15 @@ def model_class(model) -> str:
     return target_class(model.config.get_text_config().to_dict())
 
 
-def resolve(model, experts: str, compile_scope: str) -> dict:
-    """The class of `model` and the values its "auto"s take: {"class", "experts_implementation", "compile_scope"}.
-    Experts in float8 (an FP8 checkpoint's) take the fused kernels, which read them without a hub kernel."""
+def class_compile_mode(model_config: dict, compile_mode: str) -> str:
+    """What compile_mode="auto" runs for a target of this config (its class's default); other values as they are."""
+    return CLASS_DEFAULTS[target_class(model_config)]["compile_mode"] if compile_mode == "auto" else compile_mode
+
+
+def resolve(model, experts: str, compile_scope: str, compile_mode: str = "auto") -> dict:
+    """The class of `model` and the values its "auto"s take: {"class", "experts_implementation", "compile_scope",
+    "compile_mode"}. Experts in float8 (an FP8 checkpoint's) take the fused kernels, which read them without a hub
+    kernel."""
     cls = model_class(model)
     d = CLASS_DEFAULTS[cls]
     if experts != "auto" and d["experts_implementation"] is None:
@@ -48,7 +57,8 @@ def resolve(model, experts: str, compile_scope: str) -> dict:
     device = modules[0].gate_up_proj.device if modules else None
     auto = auto_experts(d["experts_implementation"], modules, device)
     return {"class": cls, "experts_implementation": auto if experts == "auto" else experts,
-            "compile_scope": d["compile_scope"] if compile_scope == "auto" else compile_scope}
+            "compile_scope": d["compile_scope"] if compile_scope == "auto" else compile_scope,
+            "compile_mode": d["compile_mode"] if compile_mode == "auto" else compile_mode}
 
 
 def auto_experts(default: str | None, modules: list, device: torch.device | None) -> str | None:
