@@ -51,7 +51,7 @@ from bench.extract_fp8 import fp8_extraction_backend  # noqa: E402
 from bench.quality_plan import (OVERRIDE_KNOBS, Clock, Variant, main_variant, plan, recipe, studies,  # noqa: E402
                                 write_table)
 from bench.quality_prompts import (  # noqa: E402
-    GEN_CACHES, TURNS, answered_parts, first_turns, generate, read_conversations,
+    GEN_ATTENTION, GEN_CACHES, TURNS, answered_parts, first_turns, generate, read_conversations,
 )
 from eagle3.config import RunConfig, resolve  # noqa: E402
 from eagle3.errors import PipelineError  # noqa: E402
@@ -269,6 +269,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--part-size", type=int, default=1000)
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--gen-batch", type=int, default=1000)
+    ap.add_argument("--gen-group", type=int, default=1, help="parts answered by one call, turn by turn together "
+                    "(their later turns' few conversations batched together); a part is kept once its group ends")
     ap.add_argument("--temperature", type=float, default=0.8, help="the sampled-answers ablation")
     ap.add_argument("--max-seq-len", type=int, default=512, help="the base run's (the ablation: 2048)")
     ap.add_argument("--shards", type=int, default=2)
@@ -288,6 +290,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--no-main", action="store_true", help="the base run and ablations only (e.g. rows left)")
     ap.add_argument("--gen-turns", choices=TURNS, default="all", help="answer each conversation's first turn or all")
     ap.add_argument("--gen-cache", choices=tuple(GEN_CACHES), default="dynamic", help="HF generate's KV cache")
+    ap.add_argument("--gen-attention", choices=GEN_ATTENTION, default="sdpa", help="the target's attention in "
+                    "generation: transformers' sdpa, or grouped (the kv heads not repeated: eagle3.grouped_sdpa)")
     ap.add_argument("--gen-engine", choices=("generate", "continuous"), default="generate", help="answers by HF "
                     "generate in fixed batches, or by transformers' continuous batching (paged KV cache)")
     ap.add_argument("--all-turns-seq-len", type=int, default=2048, help="every-turn rows' cap; no turn past it")

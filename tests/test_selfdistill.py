@@ -83,6 +83,51 @@ def test_a_static_kv_cache_gives_the_same_answers(smollm2_model, smollm2_tokeniz
                                **GEN_CACHES[cache]) == dynamic
 
 
+def test_grouped_attention_gives_the_same_answers(smollm2_path, smollm2_tokenizer):
+    """--gen-attention grouped (eagle3.grouped_sdpa: SmolLM2's 9 query heads folded onto its 3 kv heads, no
+    repeated cache): the same greedy tokens as transformers' sdpa, left padding and every turn included, with
+    either cache."""
+    from bench.quality_prompts import GEN_CACHES
+    from eagle3.grouped_sdpa import GROUPED_SDPA, use_grouped_sdpa
+    from eagle3.models import load_model
+
+    model = load_model(smollm2_path)
+    prompts = [ONE_TURN, TWO_TURNS]
+    want = {c: sd.generate_answers(model, smollm2_tokenizer, prompts, max_new_tokens=10, **GEN_CACHES[c])
+            for c in ("dynamic", "static-eager")}
+    assert use_grouped_sdpa(model) == GROUPED_SDPA
+    for cache, answers in want.items():
+        assert sd.generate_answers(model, smollm2_tokenizer, prompts, max_new_tokens=10,
+                                   **GEN_CACHES[cache]) == answers, cache
+    assert [s["turns"] for s in want["dynamic"]] == [1, 2]
+
+
+def test_parts_answered_in_one_group_are_the_parts_answered_apart(smollm2_path, tmp_path):
+    """--gen-group: parts answered by one call, turn by turn together, are written as the same parts (the same
+    samples, in order) as parts answered one at a time; a finished part is not answered again."""
+    import time
+    from types import SimpleNamespace
+
+    from bench import quality_prompts as qp
+    from bench.quality_plan import Clock
+
+    prompts = [[ONE_TURN], TWO_TURNS, [TWO_TURNS[0]]]
+    clock = Clock(time.time() + 600, tmp_path / "clock.json")
+
+    def answered(root: Path, group: int) -> dict:
+        args = SimpleNamespace(part_size=1, new_tokens=8, gen_batch=4, all_turns_seq_len=0, gen_engine="generate",
+                               gen_cache="dynamic", gen_attention="sdpa", gen_group=group)
+        assert qp.generate(args, prompts, smollm2_path, root, 0.0, clock, "cpu") == 3
+        return {p.parent.name: p.read_text() for p in sorted(root.glob("P*/tokenized.jsonl"))}
+
+    apart = answered(tmp_path / "apart" / "greedy", 1)
+    grouped = answered(tmp_path / "grouped" / "greedy", 2)
+    assert list(apart) == ["P000", "P001", "P002"] and grouped == apart
+    assert [json.loads(apart[p])["turns"] for p in apart] == [1, 2, 1]
+    (tmp_path / "grouped" / "greedy" / "P001" / "tokenized.jsonl").unlink()
+    assert answered(tmp_path / "grouped" / "greedy", 2) == apart  # only P001 answered again
+
+
 def test_continuous_batching_gives_the_same_answers(smollm2_model, smollm2_tokenizer):
     """--gen-engine continuous (transformers' continuous batching, paged KV cache): the same greedy tokens as HF
     generate, every turn of a conversation included (its later turn is asked after the target's own answer)."""
@@ -107,13 +152,13 @@ def test_a_generation_option_that_fails_falls_back_to_hf_generate_and_answers_th
 
     monkeypatch.setitem(qp.GEN_CACHES, "static-eager", {"cache_implementation": "static", "no_such_argument": 1})
     args = SimpleNamespace(part_size=1, new_tokens=8, gen_batch=4, all_turns_seq_len=0, gen_engine="generate",
-                           gen_cache="static-eager")
+                           gen_cache="static-eager", gen_attention="grouped")
     clock = Clock(time.time() + 600, tmp_path / "clock.json")
     with caplog.at_level(logging.INFO, logger="quality"):
         answered = qp.generate(args, [[ONE_TURN], TWO_TURNS], smollm2_path, tmp_path / "greedy", 0.0, clock, "cpu")
-    assert answered == 2 and (args.gen_engine, args.gen_cache) == ("generate", "dynamic")
-    assert "P000: --gen-engine generate --gen-cache static-eager failed; this and later parts use HF generate" \
-        in caplog.text
+    assert answered == 2 and (args.gen_engine, args.gen_cache, args.gen_attention) == ("generate", "dynamic", "sdpa")
+    assert "P000: --gen-engine generate --gen-cache static-eager --gen-attention grouped failed; this and later " \
+           "parts use HF generate with the dynamic cache and sdpa" in caplog.text
     files = [tmp_path / "greedy" / part / "tokenized.jsonl" for part in ("P000", "P001")]
     parts = [json.loads(line) for f in files for line in f.open()]
     assert [s["turns"] for s in parts] == [1, 2]

@@ -1,0 +1,108 @@
+"""The quality run's answer generation, step by step: HF generate's decoding step on a random-weight SmolLM2-135M
+shape, by KV cache (--gen-cache) and attention (--gen-attention), side by side in one process, and whether the
+grouped attention gives the same greedy tokens.
+
+    python3 bench/generate_bench.py [--batches 1000,2000] [--context 512] [--new-tokens 64] [--out F.json]
+    python bench/generate_bench.py --smoke        # CPU, a tiny shape
+
+A row: B contexts of L tokens (half of them left-padded by L/3, as a batch of conversations sorted by length
+is), greedy, `new_tokens` tokens each (no eos stop); a decoding step = (time for new_tokens + 1 - time for 1) /
+new_tokens. Random weights: the speed of a step does not depend on them (docs/benchmarks.md, "Quality").
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.quality_prompts import GEN_ATTENTION, GEN_CACHES  # noqa: E402
+from eagle3.grouped_sdpa import use_grouped_sdpa  # noqa: E402
+
+SMOLLM2 = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+               num_key_value_heads=3, vocab_size=49152, tie_word_embeddings=True, max_position_embeddings=8192)
+TINY = dict(SMOLLM2, hidden_size=144, intermediate_size=128, num_hidden_layers=2, vocab_size=500, head_dim=16)
+
+
+def batch(rows: int, length: int, vocab: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    ids = torch.randint(3, vocab, (rows, length), generator=torch.Generator().manual_seed(rows + length))
+    mask = torch.ones_like(ids)
+    mask[: rows // 2, : length // 3] = 0
+    return ids.to(device), mask.to(device)
+
+
+def timed_generate(model, ids, mask, new_tokens: int, cache: str) -> tuple[float, torch.Tensor]:
+    sync = torch.cuda.synchronize if ids.is_cuda else (lambda: None)
+    sync()
+    t = time.perf_counter()
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                         do_sample=False, pad_token_id=0, eos_token_id=2, **GEN_CACHES[cache])
+    sync()
+    return time.perf_counter() - t, out[:, ids.shape[1]:]
+
+
+def set_attention(model, attention: str) -> None:
+    use_grouped_sdpa(model) if attention == "grouped" else model.set_attn_implementation("sdpa")
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--batches", default="1000,2000", help="rows a batch, comma-separated")
+    ap.add_argument("--context", type=int, default=512)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--caches", default="dynamic,static-eager", help=f"of {list(GEN_CACHES)}")
+    ap.add_argument("--smoke", action="store_true", help="CPU, a tiny shape")
+    ap.add_argument("--out", default=None)
+    return ap
+
+
+def main() -> None:
+    a = parser().parse_args()
+    if a.smoke:
+        a.batches, a.context, a.new_tokens = "4", 12, 4
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    device = "cuda" if torch.cuda.is_available() and not a.smoke else "cpu"
+    torch.manual_seed(0)
+    config = LlamaConfig(**(TINY if a.smoke else SMOLLM2))
+    model = LlamaForCausalLM(config).to(device, torch.bfloat16 if device == "cuda" else torch.float32).eval()
+    caches = a.caches.split(",")
+    report = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "rows": []}
+    with torch.no_grad():
+        ids, mask = batch(min(64, int(a.batches.split(",")[0])), min(256, a.context), config.vocab_size, device)
+        tokens = {}
+        for attention in GEN_ATTENTION:  # the same greedy tokens, and the warm-up
+            set_attention(model, attention)
+            tokens[attention] = {c: timed_generate(model, ids, mask, 16, c)[1] for c in caches}
+        same = {c: bool(torch.equal(tokens["sdpa"][c], tokens["grouped"][c])) for c in caches}
+        report["grouped_same_tokens"] = same
+        print(f"grouped attention gives the same greedy tokens: {same}", flush=True)
+        for rows in map(int, a.batches.split(",")):
+            ids, mask = batch(rows, a.context, config.vocab_size, device)
+            for attention in GEN_ATTENTION:
+                set_attention(model, attention)
+                for cache in caches:
+                    try:
+                        first = timed_generate(model, ids, mask, 1, cache)[0]
+                        step = (timed_generate(model, ids, mask, a.new_tokens + 1, cache)[0] - first) / a.new_tokens
+                        row = {"rows": rows, "context": a.context, "attention": attention, "cache": cache,
+                               "prefill_s": first, "step_ms": step * 1e3, "tok_per_s": rows / step}
+                        print(f"{attention:7s} {cache:12s} B={rows} L={a.context}: prefill {first:.2f} s, "
+                              f"{row['step_ms']:.1f} ms a step, {row['tok_per_s']:.0f} tokens/s", flush=True)
+                    except torch.OutOfMemoryError as e:
+                        row = {"rows": rows, "attention": attention, "cache": cache, "error": str(e)[:200]}
+                        print(f"{attention} {cache} B={rows}: out of memory", flush=True)
+                    report["rows"].append(row)
+                    if device == "cuda":
+                        torch.cuda.empty_cache()
+    if a.out:
+        Path(a.out).write_text(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()
