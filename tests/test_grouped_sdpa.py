@@ -40,6 +40,26 @@ def test_folded_query_heads_equal_repeated_kv_heads(lq):
     assert not torch.allclose(shuffled, want)
 
 
+def test_a_prefill_goes_to_transformers_forward(monkeypatch):
+    """A query longer than FOLD_MAX_QUERIES (a prefill) is not folded: its mask repeated along the folded length
+    would take group times the memory; transformers' forward runs it, with the same result."""
+    from transformers.integrations import sdpa_attention
+
+    from eagle3 import grouped_sdpa
+
+    calls = []
+    monkeypatch.setattr(sdpa_attention, "sdpa_attention_forward",
+                        lambda *a, **kw: calls.append(a[1].shape[2]) or sdpa_attention_forward(*a, **kw))
+    torch.manual_seed(2)
+    for lq in (grouped_sdpa.FOLD_MAX_QUERIES, grouped_sdpa.FOLD_MAX_QUERIES + 1):
+        q, k, v = torch.randn(2, 9, lq, 8), torch.randn(2, 3, 20, 8), torch.randn(2, 3, 20, 8)
+        mask = left_padded_mask([20, 18], lq, 20)
+        want, _ = sdpa_attention_forward(MODULE, q, k, v, mask, scaling=0.3)
+        got, _ = grouped_sdpa_forward(MODULE, q, k, v, mask, scaling=0.3)
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+    assert calls == [grouped_sdpa.FOLD_MAX_QUERIES + 1]  # only the longer one went to transformers' forward
+
+
 @pytest.mark.parametrize("lq", [1, 6])
 def test_without_a_mask(lq):
     """No mask: one query (a decoding step of an unpadded batch) folds, every key visible; several queries are the
