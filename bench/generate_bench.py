@@ -21,8 +21,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.quality_prompts import GEN_ATTENTION, GEN_CACHES  # noqa: E402
-from eagle3.grouped_sdpa import use_grouped_sdpa  # noqa: E402
+from bench.quality_prompts import GEN_ATTENTION, GEN_CACHES, set_attention  # noqa: E402
 
 SMOLLM2 = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
                num_key_value_heads=3, vocab_size=49152, tie_word_embeddings=True, max_position_embeddings=8192)
@@ -44,10 +43,6 @@ def timed_generate(model, ids, mask, new_tokens: int, cache: str) -> tuple[float
                          do_sample=False, pad_token_id=0, eos_token_id=2, **GEN_CACHES[cache])
     sync()
     return time.perf_counter() - t, out[:, ids.shape[1]:]
-
-
-def set_attention(model, attention: str) -> None:
-    use_grouped_sdpa(model) if attention == "grouped" else model.set_attn_implementation("sdpa")
 
 
 def parser() -> argparse.ArgumentParser:

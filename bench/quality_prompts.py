@@ -94,6 +94,13 @@ GEN_CACHES = {"dynamic": {}, "static": {"cache_implementation": "static"},
 GEN_ATTENTION = ("sdpa", "grouped")
 
 
+def set_attention(model, attention: str) -> None:
+    """Run the target's attention as --gen-attention names it (GEN_ATTENTION)."""
+    from eagle3.grouped_sdpa import use_grouped_sdpa
+
+    use_grouped_sdpa(model) if attention == "grouped" else model.set_attn_implementation("sdpa")
+
+
 def generate(args, prompts: list[list[str]], model_path: Path, root: Path, temperature: float, clock,
              device: str, until: float | None = None) -> int:
     """The target's answers to the conversations (--gen-turns: each one's first turn or every turn, a turn not
@@ -103,13 +110,12 @@ def generate(args, prompts: list[list[str]], model_path: Path, root: Path, tempe
     a part's later turns are few conversations each (a third of them reach turn 2), and a decoding step costs
     about as long for 20 rows as for 300, so parts answered apart spend most of their time on those small turns.
     Returns the conversations answered."""
-    from eagle3.grouped_sdpa import use_grouped_sdpa
     from eagle3.models import load_model, load_tokenizer
     from tests.support import selfdistill as sd
 
     parts = [(f"P{i // args.part_size:03d}", i) for i in range(0, len(prompts), args.part_size)]
     todo = [p for p in parts if not (root / p[0] / "tokenized.jsonl").is_file()]
-    group = max(1, getattr(args, "gen_group", 1))
+    group = max(1, args.gen_group)
     model = tok = None
     for g in range(0, len(todo), group):
         names = todo[g:g + group]
@@ -120,8 +126,7 @@ def generate(args, prompts: list[list[str]], model_path: Path, root: Path, tempe
         if model is None:
             dtype = "bfloat16" if device == "cuda" else "float32"
             model, tok = load_model(model_path, dtype=dtype, device=device), load_tokenizer(model_path)
-            if args.gen_attention == "grouped":
-                use_grouped_sdpa(model)
+            set_attention(model, args.gen_attention)
         t = time.time()
         answer = functools.partial(sd.generate_answers, model, tok, [c for chunk in chunks for c in chunk],
                                    args.new_tokens, batch_size=args.gen_batch, log_every=4, temperature=temperature,
@@ -135,7 +140,7 @@ def generate(args, prompts: list[list[str]], model_path: Path, root: Path, tempe
                           "HF generate with the dynamic cache and sdpa", root.name, names[0][0], args.gen_engine,
                           args.gen_cache, args.gen_attention)
             args.gen_engine, args.gen_cache, args.gen_attention, t = "generate", "dynamic", "sdpa", time.time()
-            model.set_attn_implementation("sdpa")
+            set_attention(model, args.gen_attention)
             samples = answer(engine="generate")
         clock.record("generate", len(samples), time.time() - t)
         tokens = sum(sum(s["loss_mask"]) for s in samples)

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import torch.nn.functional as F
 
+from eagle3.models import register_sdpa_variant
+
 # the name transformers' AttentionInterface knows it by (no "flash" and no "/": transformers would read those as
 # its flash-attention packages or a hub kernel)
 GROUPED_SDPA = "eagle3_grouped_sdpa"
@@ -47,17 +49,8 @@ def grouped_sdpa_forward(module, query, key, value, attention_mask, dropout=0.0,
     return out.transpose(1, 2).contiguous(), None
 
 
-def register() -> None:
-    """Make GROUPED_SDPA a name transformers accepts, with sdpa's masks (idempotent)."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-
-    AttentionInterface.register(GROUPED_SDPA, grouped_sdpa_forward)
-    AttentionMaskInterface.register(GROUPED_SDPA, sdpa_mask)
-
-
 def use_grouped_sdpa(model) -> str:
     """Switch `model` (a transformers model) to GROUPED_SDPA; returns the implementation it runs."""
-    register()
+    register_sdpa_variant(GROUPED_SDPA, grouped_sdpa_forward)
     model.set_attn_implementation(GROUPED_SDPA)
     return model.config._attn_implementation

@@ -163,6 +163,16 @@ def load_model(model_path: str | os.PathLike, dtype: str = "float32", device: st
     return model.to(device).eval()
 
 
+def register_sdpa_variant(name: str, forward) -> None:
+    """Make `name` an attention implementation transformers accepts (AttentionInterface), running `forward` with
+    sdpa's masks (idempotent): the project's variants of transformers' sdpa forward."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(name, forward)
+    AttentionMaskInterface.register(name, sdpa_mask)
+
+
 def greedy_reply(model, tokenizer, prompt: str, max_new_tokens: int = 24) -> str:
     import torch
 

@@ -152,7 +152,7 @@ def test_a_generation_option_that_fails_falls_back_to_hf_generate_and_answers_th
 
     monkeypatch.setitem(qp.GEN_CACHES, "static-eager", {"cache_implementation": "static", "no_such_argument": 1})
     args = SimpleNamespace(part_size=1, new_tokens=8, gen_batch=4, all_turns_seq_len=0, gen_engine="generate",
-                           gen_cache="static-eager", gen_attention="grouped")
+                           gen_cache="static-eager", gen_attention="grouped", gen_group=1)
     clock = Clock(time.time() + 600, tmp_path / "clock.json")
     with caplog.at_level(logging.INFO, logger="quality"):
         answered = qp.generate(args, [[ONE_TURN], TWO_TURNS], smollm2_path, tmp_path / "greedy", 0.0, clock, "cpu")

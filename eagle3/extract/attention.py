@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch.nn.functional as F
 
 from eagle3.flops import attention_dims
+from eagle3.models import register_sdpa_variant
 
 # the name the model's attention is switched to (transformers' AttentionInterface); no "flash" and no "/" in it,
 # which transformers would read as its own flash-attention packages or a hub kernel
@@ -33,11 +34,7 @@ def padded_v_sdpa_forward(module, query, key, value, attention_mask, **kwargs):
 
 def register() -> None:
     """Make PADDED_V_SDPA a name transformers accepts, with sdpa's masks (idempotent)."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-
-    AttentionInterface.register(PADDED_V_SDPA, padded_v_sdpa_forward)
-    AttentionMaskInterface.register(PADDED_V_SDPA, sdpa_mask)
+    register_sdpa_variant(PADDED_V_SDPA, padded_v_sdpa_forward)
 
 
 def narrower_v(config) -> bool:

@@ -216,7 +216,7 @@ class HFBackend:
             if "_eagle3_eager_forward" in module.__dict__ and not any(module is m for m in modules):
                 module.forward = module.__dict__.pop("_eagle3_eager_forward")
                 module._eagle3_compiled = None
-        mode = self.resolved.get("compile_mode", self.compile_mode)
+        mode = self.resolved["compile_mode"]
         compiled_for = (self.attention, mode)
         for module in modules:
             if getattr(module, "_eagle3_compiled", None) != compiled_for:
