@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from bench import extract_bench, train_bench
+from bench import extract_bench, generate_bench, train_bench
 
 
 def test_extract_bench_smoke_measures_every_option_on_the_cpu(tmp_path):
@@ -161,3 +161,17 @@ def test_kernels_check_rates_each_tile_from_the_autotuners_timings(monkeypatch):
     gate_up_flops = 2.0 * 1000 * 2048 * 2 * 768
     assert list(rates["gate_up"].values()) == [gate_up_flops / 1.0 / 1e9, gate_up_flops / 2.0 / 1e9]
     assert list(rates["gate_up"]) == [str(fast), str(slow)] and rates["down"] == {}
+
+
+def test_generate_bench_smoke_times_each_attention_and_checks_its_step_against_fp32(tmp_path):
+    """bench/generate_bench.py's CPU mode: grouped attention folds the decoding step (fp32 here: the same logits as
+    the reference, so the same tokens), and every attention x cache row is timed."""
+    out = tmp_path / "generate.json"
+    generate_bench.main(["--smoke", "--out", str(out)])
+    res = json.loads(out.read_text())
+    assert res["grouped_same_tokens"] == {"dynamic": True, "static-eager": True}
+    for attention in ("sdpa", "grouped"):
+        step = res["step_error_vs_fp32"][attention]
+        assert step["max_error"] < 1e-5 and step["top1_agreement"] == 1.0
+    assert {(r["attention"], r["cache"]) for r in res["rows"] if r["step_ms"] > 0} == {
+        (a, c) for a in ("sdpa", "grouped") for c in ("dynamic", "static-eager")}
