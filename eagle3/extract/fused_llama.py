@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from eagle3.errors import ConfigError
 from eagle3.extract.backend import check_attention, compile_for, load_decoder, pinned_attention
+from eagle3.extract.moe import class_default
 from eagle3.models import ModelInfo
 
 
@@ -69,8 +70,8 @@ class FusedLlamaBackend:
                  compile_mode: str = "auto"):
         self.model = model  # a preloaded *ForCausalLM (the benchmark's random-weight ones); else loaded from the path
         self.info = info
-        # compile_mode: a key of backend.COMPILE_MODES; auto = the dense class's, default
-        self.compile, self.compile_mode = compile, "default" if compile_mode == "auto" else compile_mode
+        # compile_mode: a key of backend.COMPILE_MODES; auto = the dense class's (a plain Llama is dense)
+        self.compile, self.compile_mode = compile, class_default("dense", "compile_mode", compile_mode)
         self.attention = attention  # SDPA kernel: a key of eagle3.extract.backend.SDPA_KERNELS
 
     def load(self, model_path: str, dtype: str, device: str, capture_layers: list[int]) -> None:

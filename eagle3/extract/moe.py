@@ -39,9 +39,14 @@ def model_class(model) -> str:
     return target_class(model.config.get_text_config().to_dict())
 
 
+def class_default(cls: str, knob: str, value: str) -> str:
+    """What `knob`="auto" runs for a target of class `cls` (CLASS_DEFAULTS); other values as they are."""
+    return CLASS_DEFAULTS[cls][knob] if value == "auto" else value
+
+
 def class_compile_mode(model_config: dict, compile_mode: str) -> str:
     """What compile_mode="auto" runs for a target of this config (its class's default); other values as they are."""
-    return CLASS_DEFAULTS[target_class(model_config)]["compile_mode"] if compile_mode == "auto" else compile_mode
+    return class_default(target_class(model_config), "compile_mode", compile_mode)
 
 
 def resolve(model, experts: str, compile_scope: str, compile_mode: str = "auto") -> dict:
@@ -57,8 +62,8 @@ def resolve(model, experts: str, compile_scope: str, compile_mode: str = "auto")
     device = modules[0].gate_up_proj.device if modules else None
     auto = auto_experts(d["experts_implementation"], modules, device)
     return {"class": cls, "experts_implementation": auto if experts == "auto" else experts,
-            "compile_scope": d["compile_scope"] if compile_scope == "auto" else compile_scope,
-            "compile_mode": d["compile_mode"] if compile_mode == "auto" else compile_mode}
+            "compile_scope": class_default(cls, "compile_scope", compile_scope),
+            "compile_mode": class_default(cls, "compile_mode", compile_mode)}
 
 
 def auto_experts(default: str | None, modules: list, device: torch.device | None) -> str | None:
