@@ -23,6 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.quality_prompts import GEN_ATTENTION, GEN_CACHES, set_attention  # noqa: E402
+from tests.support.selfdistill import size_static_cache_for_this_call  # noqa: E402
 
 SMOLLM2 = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
                num_key_value_heads=3, vocab_size=49152, tie_word_embeddings=True, max_position_embeddings=8192)
@@ -38,6 +39,7 @@ def batch(rows: int, length: int, vocab: int, device: str) -> tuple[torch.Tensor
 
 def timed_generate(model, ids, mask, new_tokens: int, cache: str) -> tuple[float, torch.Tensor]:
     sync = torch.cuda.synchronize if ids.is_cuda else (lambda: None)
+    size_static_cache_for_this_call(model)  # a row's cache for its own context, not an earlier row's longer one
     sync()
     t = time.perf_counter()
     out = model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,

@@ -83,6 +83,27 @@ def test_a_static_kv_cache_gives_the_same_answers(smollm2_model, smollm2_tokeniz
                                **GEN_CACHES[cache]) == dynamic
 
 
+def test_a_static_cache_is_sized_for_each_batch_not_the_longest_the_model_ever_saw(smollm2_model,
+                                                                                   smollm2_tokenizer):
+    """A short batch after a long one attends over its own length (HF generate would keep the longest cache yet: a
+    group's turn 1 ran 3x slower after another group's long turns), and answers as it does first."""
+    from bench.quality_prompts import GEN_CACHES
+
+    tok, model, lengths = smollm2_tokenizer, copy.deepcopy(smollm2_model), []
+
+    def cache_length(module, args, kwargs):
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        if cache is not None and kwargs["input_ids"].shape[1] > 1:  # the prefill: one call's cache
+            lengths.append(cache.get_max_length())
+
+    model.register_forward_pre_hook(cache_length, with_kwargs=True)
+    short = sd.prompt_ids(tok, ONE_TURN)
+    alone = sd.generate_batch(model, [short], 6, tok.eos_token_id, 4, 0.0, 1, **GEN_CACHES["static-eager"])
+    sd.generate_batch(model, [short * 8], 6, tok.eos_token_id, 4, 0.0, 1, **GEN_CACHES["static-eager"])
+    after = sd.generate_batch(model, [short], 6, tok.eos_token_id, 4, 0.0, 1, **GEN_CACHES["static-eager"])
+    assert lengths[1] > 4 * lengths[0] and lengths[2] == lengths[0] and after == alone
+
+
 def test_grouped_attention_gives_the_same_answers(smollm2_path, smollm2_tokenizer):
     """--gen-attention grouped (eagle3.grouped_sdpa: SmolLM2's 9 query heads folded onto its 3 kv heads, no
     repeated cache): the same greedy tokens as transformers' sdpa, left padding and every turn included, with

@@ -118,6 +118,15 @@ def sampling_kwargs(temperature: float) -> dict:
 
 
 @torch.no_grad()
+def size_static_cache_for_this_call(model) -> None:
+    """HF generate sizes a static cache for the longest call the model has ever made (`_previous_max_cache_length`,
+    kept to spare torch.compile a recompile), so after one long context every later batch attends over that whole
+    length: in the every-turn answers (H200, 2026-12-06) a group's turn 1 after another group's 2,048-token turns
+    took 211 s where the first group's took 69 s. Uncompiled (static-eager), a cache sized for this call costs nothing."""
+    if hasattr(model, "_previous_max_cache_length"):
+        model._previous_max_cache_length = -1
+
+
 def generate_batch(model, contexts: list[list[int]], max_new_tokens: int, eos: int, batch_size: int,
                    temperature: float, seed: int, log_every: int = 1, **generate_kwargs) -> list[list[int]]:
     """One answer per context (token ids, with eos when it ended), in the order of `contexts`. Contexts are
@@ -132,6 +141,7 @@ def generate_batch(model, contexts: list[list[int]], max_new_tokens: int, eos: i
         attn = torch.tensor([[0] * (width - len(contexts[i])) + [1] * len(contexts[i]) for i in rows],
                             device=model.device)  # left pad
         torch.manual_seed(seed * 1_000_003 + n)
+        size_static_cache_for_this_call(model)
         out = model.generate(x, attention_mask=attn, max_new_tokens=max_new_tokens, pad_token_id=eos,
                              eos_token_id=eos, **sampling, **generate_kwargs)
         for i, row in zip(rows, out[:, width:].tolist()):
