@@ -117,16 +117,17 @@ def sampling_kwargs(temperature: float) -> dict:
         dict(do_sample=False)
 
 
-@torch.no_grad()
 def size_static_cache_for_this_call(model) -> None:
     """HF generate sizes a static cache for the longest call the model has ever made (`_previous_max_cache_length`,
     kept to spare torch.compile a recompile), so after one long context every later batch attends over that whole
     length: in the every-turn answers (H200, 2026-12-06) a group's turn 1 after another group's 2,048-token turns
-    took 211 s where the first group's took 69 s. Uncompiled (static-eager), a cache sized for this call costs nothing."""
+    took 211 s where the first group's took 69 s. Uncompiled (static-eager), a cache sized for this call costs
+    nothing."""
     if hasattr(model, "_previous_max_cache_length"):
         model._previous_max_cache_length = -1
 
 
+@torch.no_grad()
 def generate_batch(model, contexts: list[list[int]], max_new_tokens: int, eos: int, batch_size: int,
                    temperature: float, seed: int, log_every: int = 1, **generate_kwargs) -> list[list[int]]:
     """One answer per context (token ids, with eos when it ended), in the order of `contexts`. Contexts are
