@@ -39,7 +39,7 @@ def batch(rows: int, length: int, vocab: int, device: str) -> tuple[torch.Tensor
 
 def timed_generate(model, ids, mask, new_tokens: int, cache: str) -> tuple[float, torch.Tensor]:
     sync = torch.cuda.synchronize if ids.is_cuda else (lambda: None)
-    size_static_cache_for_this_call(model)  # a row's cache for its own context, not an earlier row's longer one
+    size_static_cache_for_this_call(model, GEN_CACHES[cache])  # a row's cache for its own context, not a longer one
     sync()
     t = time.perf_counter()
     out = model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,

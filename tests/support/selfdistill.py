@@ -117,13 +117,13 @@ def sampling_kwargs(temperature: float) -> dict:
         dict(do_sample=False)
 
 
-def size_static_cache_for_this_call(model) -> None:
+def size_static_cache_for_this_call(model, generate_kwargs: dict) -> None:
     """HF generate sizes a static cache for the longest call the model has ever made (`_previous_max_cache_length`,
     kept to spare torch.compile a recompile), so after one long context every later batch attends over that whole
     length: in the every-turn answers (H200, 2026-12-06) a group's turn 1 after another group's 2,048-token turns
-    took 211 s where the first group's took 69 s. Uncompiled (static-eager), a cache sized for this call costs
-    nothing."""
-    if hasattr(model, "_previous_max_cache_length"):
+    took 211 s where the first group's took 69 s. Uncompiled (`disable_compile`, static-eager) a cache sized for
+    this call costs nothing; compiled, HF's choice stands (a new length would be a new graph)."""
+    if generate_kwargs.get("disable_compile") and hasattr(model, "_previous_max_cache_length"):
         model._previous_max_cache_length = -1
 
 
@@ -142,7 +142,7 @@ def generate_batch(model, contexts: list[list[int]], max_new_tokens: int, eos: i
         attn = torch.tensor([[0] * (width - len(contexts[i])) + [1] * len(contexts[i]) for i in rows],
                             device=model.device)  # left pad
         torch.manual_seed(seed * 1_000_003 + n)
-        size_static_cache_for_this_call(model)
+        size_static_cache_for_this_call(model, generate_kwargs)
         out = model.generate(x, attention_mask=attn, max_new_tokens=max_new_tokens, pad_token_id=eos,
                              eos_token_id=eos, **sampling, **generate_kwargs)
         for i, row in zip(rows, out[:, width:].tolist()):
