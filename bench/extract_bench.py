@@ -122,7 +122,9 @@ def run_naive(b: Bench, t: Target) -> dict:
 
 
 def bench_config(b: Bench, t: Target, out_dir: Path, writers: int, params: dict) -> ExtractConfig:
-    params = {"compile": False, "backend": "hf", "attention": "auto", **params}
+    # states stored in the compute dtype unless a row names fp8 (--fp8): the figures since 2026-12-03 were measured
+    # so, and the run's own "auto" (fp8 on a GPU since 2026-12-06) is a row of its own
+    params = {"compile": False, "backend": "hf", "attention": "auto", "storage_dtype": b.dtype_name, **params}
     target = TargetConfig(model_path=t.model_path, capture_layers=t.layers, dtype=b.dtype_name)
     return ExtractConfig(target=target, extract_dir=str(out_dir), device=str(b.device),
                          token_budget=params.pop("token_budget", t.budget), chunk_mb=t.chunk_mb,

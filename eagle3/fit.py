@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from eagle3.errors import ConfigError
+from eagle3.extract.config import stored_dtype
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1}
 EXPERT_KEYS = ("n_routed_experts", "num_local_experts", "num_experts")
@@ -177,15 +178,17 @@ def check_fits(cfg: dict, tp_size: int, free_bytes: int, param: str, headroom: f
     return est
 
 
-# Bytes of one stored value per storage dtype; "auto" stores the compute dtype, bfloat16 on a GPU (an estimate
-# made before the run, in preflight or merge, assumes the GPU; the CPU demo stores float32)
-STORAGE_ITEMSIZE = {"auto": 2, "bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3fn": 1}
+# Bytes of one stored value per storage dtype
+STORAGE_ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3fn": 1}
 
 
 def bytes_per_token(num_capture_layers: int, hidden_size: int, storage_dtype: str) -> int:
     """Bytes one token takes in a chunk: its states (the capture layers and the final state), its int32 id and
     uint8 loss mask, and with fp8 storage one fp32 scale per state. Preflight's disk check, merge's estimate
     and the extractor's chunk sizing all use this."""
+    # "auto": an estimate made before the run (preflight, merge) counts the GPU run's storage, fp8; the CPU demo
+    # stores float32
+    storage_dtype = stored_dtype(storage_dtype, "auto")
     states = num_capture_layers + 1
     scales = 4 * states if storage_dtype == "float8_e4m3fn" else 0
     return states * hidden_size * STORAGE_ITEMSIZE[storage_dtype] + 5 + scales

@@ -17,11 +17,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from eagle3.errors import ConfigError, PipelineError
-from eagle3.fit import (check_fits, check_fp8_device, check_tp_divides, load_config, smallest_fitting_tp,
-                        weight_estimate)
+from eagle3.extract.config import stored_dtype
+from eagle3.fit import (bytes_per_token, check_fits, check_fp8_device, check_tp_divides, load_config,
+                        smallest_fitting_tp, weight_estimate)
 from eagle3.io import atomic_write_json
 from eagle3.knobs import check_knobs, knob
-from eagle3.fit import bytes_per_token
 from eagle3.extract.rates import time_estimate
 from eagle3.merge.stats import human_hours
 from eagle3.models import model_info
@@ -181,7 +181,8 @@ def check_disk(cfg: PreflightConfig, n_layers: int, hidden: int, storage_dtype: 
     per_token = bytes_per_token(n_layers, hidden, storage_dtype)
     need = cfg.estimated_tokens * per_token
     out = {"path": str(where), "free_bytes": usage.free, "estimated_extraction_bytes": need,
-           "bytes_per_token": per_token, "required_bytes": int(need * cfg.disk_headroom)}
+           "storage_dtype": storage_dtype, "bytes_per_token": per_token,
+           "required_bytes": int(need * cfg.disk_headroom)}
     if need and usage.free < out["required_bytes"]:
         failures.append(
             f"not enough disk at {where}: extraction needs ~{need / 1e9:.2f} GB "
@@ -258,7 +259,9 @@ def run_preflight(cfg: PreflightConfig, target: TargetConfig, storage_dtype: str
                 failures.append(str(e))
     info = report["model"].get("info")
     if info and isinstance(target.capture_layers, list):
-        report["disk"] = check_disk(cfg, len(target.capture_layers), info["hidden_size"], storage_dtype, failures)
+        # "auto" storage as the shard's worker resolves it; "auto" compute counts as a GPU's (fp8 states)
+        report["disk"] = check_disk(cfg, len(target.capture_layers), info["hidden_size"],
+                                    stored_dtype(storage_dtype, target.dtype), failures)
     if info and cfg.estimated_tokens:
         report["time"] = extraction_time(cfg, target, n_gpus)
     report["failures"] = failures
@@ -288,7 +291,7 @@ def format_report(report: dict) -> str:
     if "disk" in report:
         d = report["disk"]
         lines.append(f"  disk {d['path']}: {d['free_bytes'] / 1e9:.1f} GB free, extraction needs"
-                     f" {d['estimated_extraction_bytes'] / 1e9:.2f} GB")
+                     f" {d['estimated_extraction_bytes'] / 1e9:.2f} GB ({d['storage_dtype']} states)")
     if report.get("time"):
         t = report["time"]
         lines.append(f"  extraction time: {human_hours(t['hours_one_gpu'])} on one H200"

@@ -51,6 +51,12 @@ def test_auto_padding_bounds_batch_lengths_and_their_padding(tmp_path):
     # token_budget and chunk_mb: auto = big batches and chunk files on a GPU, small ones on the CPU (AUTO_PLAN)
     cpu, gpu = (resolve_for_device(phase(ExtractConfig, **base, device=d)) for d in ("cpu", "cuda"))
     assert (cpu.token_budget, cpu.chunk_mb, gpu.token_budget, gpu.chunk_mb) == (256, 1, 16384, 1024)
+    # storage_dtype: auto = fp8 where the target computes in 16 bits (a GPU's bf16: half the disk, the same tau,
+    # docs/benchmarks.md), the compute dtype else (the CPU's float32); a named dtype is kept
+    assert (cpu.storage_dtype, gpu.storage_dtype) == ("float32", "float8_e4m3fn")
+    fp16, named = (resolve_for_device(phase(ExtractConfig, **base, device="cuda", **kw))
+                   for kw in ({"dtype": "float16"}, {"storage_dtype": "bfloat16"}))
+    assert (fp16.storage_dtype, named.storage_dtype) == ("float8_e4m3fn", "bfloat16")
     given = resolve_for_device(phase(ExtractConfig, **base, device="cpu", token_budget=4096, chunk_mb=0.5))
     assert (given.token_budget, given.chunk_mb) == (4096, 0.5)
     form = RunConfig.from_params({"token_budget": "512", "chunk_mb": "0.5"}, "r").extract  # the form's text

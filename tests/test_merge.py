@@ -169,9 +169,11 @@ def test_stats_match_a_hand_computed_case(tmp_path):
     assert st["length_histogram"]["samples_in"][0] == 5 and sum(st["length_histogram"]["samples_in"]) == 5
     assert st["length_histogram"]["samples_out"][0] == 4
     est = st["extraction_estimate"]
-    # 4 bf16 states of 576 values, an int32 id and a uint8 mask a token (eagle3.fit.bytes_per_token)
-    assert est["bytes"] == 28 * ((3 + 1) * 576 * 2 + 5) and est["hours"] == pytest.approx(1 / 60)
-    assert s["extraction_estimate"] == est["text"] == "129.2 KB / 1 min"
+    # "auto" storage of a GPU run: 4 fp8 states of 576 values with an fp32 scale each, an int32 id and a uint8 mask
+    # a token (eagle3.fit.bytes_per_token)
+    assert est["storage_dtype"] == "float8_e4m3fn"
+    assert est["bytes"] == 28 * ((3 + 1) * (576 + 4) + 5) and est["hours"] == pytest.approx(1 / 60)
+    assert s["extraction_estimate"] == est["text"] == "65.1 KB / 1 min"
     m = json.loads((tmp_path / "out" / "manifest.json").read_text())
     assert m["complete"] is True and m["rows"] == 4 and m["tokens"] == 28 and m["seed"] == 0
     assert set(m) == {"complete", "files", "rows", "tokens", "seed", "params", "fingerprint"}

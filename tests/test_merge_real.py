@@ -74,7 +74,7 @@ def test_operator_execute_returns_the_summary(tmp_path):
     out = op.execute({})
     assert out == {"merge_dir": str(tmp_path / "merge"), "manifest": str(tmp_path / "merge" / "manifest.json"),
                    "files": 1, "rows": 10, "tokens": 40, "skipped": False, "bad_input": 0, "dropped": 0,
-                   "truncated": 0, "extraction_estimate": "184.5 KB / 0.4 s"}
+                   "truncated": 0, "extraction_estimate": "93.0 KB / 0.4 s"}  # 40 tokens of fp8 states
     json.dumps(out)  # small and JSON-able (XCom)
     assert op.execute({})["skipped"] is True
     assert json.loads((tmp_path / "merge" / "manifest.json").read_text())["seed"] == 3

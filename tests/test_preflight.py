@@ -29,8 +29,10 @@ def test_preflight_passes_on_cpu_with_real_model(smollm2_path, tmp_path):
     assert report["device"] in ("cpu", "cuda")
     assert report["model"]["capture_layers"] == [2, 15, 27]
     assert report["model"]["sglang_aux_layer_ids"] == [1, 14, 26]
-    # 4 bf16 states of 576 values, an int32 id and a uint8 mask a token
-    assert report["disk"]["estimated_extraction_bytes"] == 10_000 * (4 * 576 * 2 + 5)
+    # "auto" storage on a GPU run (the estimate's assumption): 4 fp8 states of 576 values with an fp32 scale each,
+    # an int32 id and a uint8 mask a token
+    assert report["disk"]["storage_dtype"] == "float8_e4m3fn"
+    assert report["disk"]["estimated_extraction_bytes"] == 10_000 * (4 * (576 + 4) + 5)
     assert report["model"]["vllm_aux_layer_ids"] == [2, 15, 27]
     assert report["packages"]["sglang"]  # a version or "absent"
     saved = json.loads((tmp_path / "pf" / "preflight.json").read_text())
@@ -44,7 +46,7 @@ def test_bad_capture_layer_fails_naming_layer_and_depth(smollm2_path, tmp_path):
 
 def test_not_enough_disk_fails_with_both_numbers(smollm2_path, tmp_path):
     free = shutil.disk_usage(tmp_path).free
-    tokens = free // (4 * 576 * 2) * 2  # twice what fits
+    tokens = free // bytes_per_token(3, 576, "auto") * 2  # twice what fits
     with pytest.raises(PreflightError) as e:
         preflight(smollm2_path, tmp_path, estimated_tokens=tokens)
     msg = str(e.value)

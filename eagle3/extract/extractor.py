@@ -32,7 +32,7 @@ from eagle3.extract.backend import DTYPES, ExtractionBackend, HFBackend, check_a
 from eagle3.extract import moe
 from eagle3.extract.compile_cache import use_compile_cache
 from eagle3.extract.batches import PlanSegment, padded_length, plan_segments, real_token_index
-from eagle3.extract.config import ADDED_STATE_PARAMS, AUTO_PLAN, FP8, ExtractConfig
+from eagle3.extract.config import ADDED_STATE_PARAMS, AUTO_PLAN, FP8, ExtractConfig, stored_dtype
 from eagle3.extract.format import CorruptChunkError, ShardManifest, load_chunk
 from eagle3.fit import bytes_per_token, load_config
 from eagle3.extract.fused_llama import FusedLlamaBackend
@@ -70,7 +70,7 @@ def resolve_for_device(cfg: ExtractConfig) -> ExtractConfig:
     return dataclasses.replace(
         cfg, target=dataclasses.replace(cfg.target, dtype=dtype), device=device,
         compile=cuda if cfg.compile == "auto" else cfg.compile,
-        storage_dtype=dtype if cfg.storage_dtype == "auto" else cfg.storage_dtype,
+        storage_dtype=stored_dtype(cfg.storage_dtype, dtype),
         pad_multiple=1 if cfg.pad_multiple == "auto" and not cuda else cfg.pad_multiple, **plan)
 
 

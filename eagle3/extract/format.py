@@ -12,7 +12,7 @@ order; `sample_rows` gives each sample's global row in the merged dataset (not n
     sample_offsets int64  [n + 1]                   sample i is tokens offsets[i]:offsets[i+1]
     sample_rows    int64  [n]                       row index of each sample in the merged dataset
 
-Optional fp8 storage (dtype "float8_e4m3fn", half the bytes of bf16): aux_hidden/final_hidden are
+fp8 storage (dtype "float8_e4m3fn", half the bytes of bf16; the default on a GPU): aux_hidden/final_hidden are
 e4m3 values and two more tensors hold one fp32 scale per token and layer (value = q * scale):
     aux_scale      float32 [T, n_capture]
     final_scale    float32 [T]

@@ -74,9 +74,10 @@ class HiddenStateReader:
         """The committed chunks that hold samples, in shard then chunk order."""
         return [Chunk(d, rec) for d, m in zip(self.shard_dirs, self.manifests) for rec in m.chunks if rec.samples]
 
-    def load(self, chunk: Chunk) -> dict:
-        """All tensors of one chunk (eagle3.extract.format lists them), checked against its record."""
-        return load_chunk(chunk.shard_dir, chunk.record, verify=self.verify)
+    def load(self, chunk: Chunk, dequantize: bool = True) -> dict:
+        """All tensors of one chunk (eagle3.extract.format lists them), checked against its record; fp8 states
+        as bf16, or with dequantize=False as stored (e4m3 values and their per-token scales)."""
+        return load_chunk(chunk.shard_dir, chunk.record, verify=self.verify, dequantize=dequantize)
 
     def sample_lengths(self, chunk: Chunk) -> list[int]:
         """Token count of each sample of a chunk, read from its offsets alone (the hidden states stay on disk)."""

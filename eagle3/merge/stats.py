@@ -9,6 +9,7 @@ import numpy as np
 
 from eagle3.errors import PipelineError
 from eagle3.merge.parse import BadLine
+from eagle3.extract.config import stored_dtype
 from eagle3.fit import bytes_per_token
 from eagle3.sections import TargetConfig
 
@@ -169,6 +170,7 @@ def extraction_estimate(tokens: int, target: TargetConfig | None, storage_dtype:
     if target is None or target.hidden_size is None or not isinstance(target.capture_layers, list):
         return None
     n = len(target.capture_layers)
+    storage_dtype = stored_dtype(storage_dtype, target.dtype)
     per_token = bytes_per_token(n, target.hidden_size, storage_dtype)
     nbytes = tokens * per_token
     out = {"tokens": tokens, "bytes": nbytes, "num_capture_layers": n, "hidden_size": target.hidden_size,

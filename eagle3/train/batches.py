@@ -17,6 +17,11 @@ from eagle3.extract.reader import HiddenStateReader
 
 log = logging.getLogger(__name__)
 
+# A sample's per-token tensors; fp8-stored states come with their scales (eagle3.extract.format) and stay fp8 up to
+# the device, which dequantizes only the batch: on the host, the training loop dequantized each whole chunk while
+# the GPU waited (1.5 s a 66K-token chunk of SmolLM2 states on 2 cores)
+PER_TOKEN = ("input_ids", "loss_mask", "aux_hidden", "final_hidden", "aux_scale", "final_scale")
+
 
 def held_out_samples(num_samples: int, fraction: float, seed: int) -> set[int]:
     """The held-out slice: round(fraction x samples) sample indices (in the reader's chunk order), at least one
@@ -49,8 +54,8 @@ class BatchOrder:
 
     def _samples(self, t: dict, rows: list[int]) -> list[dict]:
         off = t["sample_offsets"].tolist()
-        return [{k: t[k][off[i]:off[i + 1]] for k in ("input_ids", "loss_mask", "aux_hidden", "final_hidden")}
-                for i in rows]
+        keys = [k for k in PER_TOKEN if k in t]
+        return [{k: t[k][off[i]:off[i + 1]] for k in keys} for i in rows]
 
     def epoch(self, epoch: int, skip: int = 0):
         """Yield (batch_index, [samples as dicts]) for one epoch, starting after `skip` batches."""
@@ -64,7 +69,7 @@ class BatchOrder:
             if index + n <= skip:
                 index += n
                 continue
-            t = self.reader.load(self.chunks[ci])
+            t = self.reader.load(self.chunks[ci], dequantize=False)
             for b in range(n):
                 if index >= skip:
                     yield index, self._samples(t, [kept[i] for i in perm[b * self.batch_size:(b + 1) * self.batch_size]])
@@ -74,7 +79,7 @@ class BatchOrder:
         """The held-out samples in batches of batch_size, in chunk order (the same every call)."""
         for ci, rows in enumerate(self.held):
             if rows:
-                t = self.reader.load(self.chunks[ci])
+                t = self.reader.load(self.chunks[ci], dequantize=False)
                 for b in range(0, len(rows), self.batch_size):
                     yield self._samples(t, rows[b:b + self.batch_size])
 
@@ -129,25 +134,38 @@ def collate(samples: list[dict], max_len: int, pad_multiple: int = 1, rows: int 
     rows), so causal attention never lets a real token read it and the loss never counts it."""
     T = bucket_length(max(len(s["input_ids"]) for s in samples), max_len, pad_multiple)
     B = max(rows, len(samples))
-    H3, H = samples[0]["aux_hidden"].shape[-1], samples[0]["final_hidden"].shape[-1]
-    # states keep their stored dtype (bf16 from GPU extraction): half the host copy; the caller upcasts on device
+    first = samples[0]
+    # states keep their stored dtype (bf16 from GPU extraction, or fp8 with its scales): the least host copy;
+    # to_device upcasts them on the device
     out = {
         "input_ids": torch.zeros(B, T, dtype=torch.long),
         "loss_mask": torch.zeros(B, T, dtype=torch.bool),
-        "aux": torch.zeros(B, T, H3, dtype=samples[0]["aux_hidden"].dtype),
-        "final": torch.zeros(B, T, H, dtype=samples[0]["final_hidden"].dtype),
+        "aux": torch.zeros(B, T, first["aux_hidden"].shape[-1], dtype=first["aux_hidden"].dtype),
+        "final": torch.zeros(B, T, first["final_hidden"].shape[-1], dtype=first["final_hidden"].dtype),
     }
+    if "aux_scale" in first:
+        out["aux_scale"] = torch.zeros(B, T, first["aux_scale"].shape[-1], dtype=torch.float32)
+        out["final_scale"] = torch.zeros(B, T, dtype=torch.float32)
+    pairs = [("input_ids", "input_ids"), ("aux", "aux_hidden"), ("final", "final_hidden"),
+             ("aux_scale", "aux_scale"), ("final_scale", "final_scale")]
     for i, s in enumerate(samples):
         n = min(T, len(s["input_ids"]))
-        out["input_ids"][i, :n] = s["input_ids"][:n]
         out["loss_mask"][i, :n] = s["loss_mask"][:n].bool()
-        out["aux"][i, :n] = s["aux_hidden"][:n]
-        out["final"][i, :n] = s["final_hidden"][:n]
+        for dst, src in pairs:
+            if dst in out:
+                out[dst][i, :n] = s[src][:n]
     return out
 
 
 def to_device(batch: dict, device: torch.device) -> dict:
-    """Move a collated batch to the device; hidden states become fp32 there (autocast picks the matmul dtype)."""
+    """Move a collated batch to the device; hidden states become fp32 there (autocast picks the matmul dtype). fp8
+    states are dequantized there as eagle3.extract.format.dequantize_fp8 does on the host (value * scale in fp32,
+    rounded to bf16), so training reads the same numbers either way."""
     out = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+    if "aux_scale" in out:
+        aux, scale = out["aux"], out.pop("aux_scale")
+        B, T, n = scale.shape
+        out["aux"] = (aux.float().view(B, T, n, -1) * scale[..., None]).view(B, T, -1).to(torch.bfloat16)
+        out["final"] = (out["final"].float() * out.pop("final_scale")[..., None]).to(torch.bfloat16)
     out["aux"], out["final"] = out["aux"].float(), out["final"].float()
     return out

@@ -227,7 +227,9 @@ def train(cfg: TrainConfig) -> dict:
     # sample (chunks hold samples of similar length, so that is little padding).
     share_rows = -(-cfg.batch_size // ranks.world)
     pad_multiple, batch_rows = (cfg.pad_multiple, share_rows) if compiled else (1, 0)
-    t_start, tokens_done = time.time(), 0
+    # data_s: host time reading and batching samples; the loss is read back every micro-batch, so the GPU waits
+    # through it: its share of the wall time is what a faster input path could win
+    t_start, tokens_done, data_s = time.time(), 0, 0.0
     validator = Validator(order, out, cfg.validation_interval, cfg.ttt_steps, cfg.max_seq_len,
                           vocab.draft_ids.to(device), ranks, ranks.main)
 
@@ -253,10 +255,12 @@ def train(cfg: TrainConfig) -> dict:
             sums = torch.zeros(cfg.ttt_steps, 3, dtype=torch.float64)
             loss_total = 0.0
             for micro in range(cfg.grad_accum):
+                t_data = time.perf_counter()
                 samples = next(stream)
                 counts = masked_counts(samples, cfg.max_seq_len, cfg.ttt_steps).to(device) if ranks.distributed \
                     else None
                 batch = to_device(collate(ranks.share(samples), cfg.max_seq_len, pad_multiple, batch_rows), device)
+                data_s += time.perf_counter() - t_data
                 # DDP all-reduces gradients at the last micro-batch of a step only
                 with grad_sync(model, ranks, last=micro == cfg.grad_accum - 1):
                     with autocast:
@@ -284,6 +288,7 @@ def train(cfg: TrainConfig) -> dict:
                     "loss_k": (sums[:, 0] / sums[:, 2].clamp(min=1)).tolist(),
                     "acc_k": (sums[:, 1] / sums[:, 2].clamp(min=1)).tolist(),
                     "tokens_per_s": tokens_done / max(1e-9, time.time() - t_start),
+                    "data_share": data_s / max(1e-9, time.time() - t_start),
                 }
                 metrics_file.write(json.dumps(rec) + "\n")
                 metrics_file.flush()
@@ -292,9 +297,10 @@ def train(cfg: TrainConfig) -> dict:
             if ranks.main and (now - last_log >= cfg.log_every_s or step == total_steps):  # progress, rate, ETA
                 last_log = now
                 rate = (step - start_step) / max(1e-9, now - t_start)
-                log.info("step %d/%d  loss %.4f  acc@k0 %.3f  %.0f tok/s  ETA %.0f s", step, total_steps, loss_total,
-                         float(sums[0, 1] / sums[0, 2].clamp(min=1)), tokens_done / max(1e-9, now - t_start),
-                         (total_steps - step) / max(rate, 1e-9))
+                elapsed = max(1e-9, now - t_start)
+                log.info("step %d/%d  loss %.4f  acc@k0 %.3f  %.0f tok/s  data %.0f%%  ETA %.0f s", step, total_steps,
+                         loss_total, float(sums[0, 1] / sums[0, 2].clamp(min=1)), tokens_done / elapsed,
+                         100 * data_s / elapsed, (total_steps - step) / max(rate, 1e-9))
             validated = validator.due(step, total_steps)
             if step % cfg.checkpoint_every == 0 or step == total_steps or validated:
                 states = full_state(drafter, opt) if fsdp else None  # a collective: every rank gathers
