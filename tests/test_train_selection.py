@@ -125,4 +125,3 @@ def test_held_out_samples_never_train_and_the_slice_is_named_when_too_large(lear
     assert BatchOrder(reader, 4, 0).batches_per_epoch == 6
     with pytest.raises(PipelineError, match=r"holdout_fraction 0.1 holds out 1 of 1 samples"):
         held_out_samples(1, 0.1, seed=0)  # one sample: the slice takes it
-
