@@ -262,6 +262,9 @@ def run_preflight(cfg: PreflightConfig, target: TargetConfig, storage_dtype: str
         # "auto" storage as the shard's worker resolves it; "auto" compute counts as a GPU's (fp8 states)
         report["disk"] = check_disk(cfg, len(target.capture_layers), info["hidden_size"],
                                     stored_dtype(storage_dtype, target.dtype), failures)
+        if not n_gpus and storage_dtype == target.dtype == "auto":
+            report["notes"].append("the disk estimate counts fp8 states, as a GPU worker stores them; an extraction "
+                                   "on this machine's CPU stores float32 ones, about 4x the bytes")
     if info and cfg.estimated_tokens:
         report["time"] = extraction_time(cfg, target, n_gpus)
     report["failures"] = failures

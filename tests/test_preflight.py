@@ -33,6 +33,8 @@ def test_preflight_passes_on_cpu_with_real_model(smollm2_path, tmp_path):
     # an int32 id and a uint8 mask a token
     assert report["disk"]["storage_dtype"] == "float8_e4m3fn"
     assert report["disk"]["estimated_extraction_bytes"] == 10_000 * (4 * (576 + 4) + 5)
+    cpu_note = [n for n in report["notes"] if "the disk estimate counts fp8 states" in n]
+    assert len(cpu_note) == (report["device"] == "cpu")  # where the extraction would store float32 instead
     assert report["model"]["vllm_aux_layer_ids"] == [2, 15, 27]
     assert report["packages"]["sglang"]  # a version or "absent"
     saved = json.loads((tmp_path / "pf" / "preflight.json").read_text())
