@@ -209,15 +209,18 @@ def write_chunk(shard_dir: str | Path, index: int, tensors: dict, metadata: dict
     )
 
 
-def dequantize_fp8(tensors: dict) -> dict:
-    """Replace fp8 aux/final states and their per-token scales by bfloat16 states."""
+def dequantize(values, scale):
+    """bfloat16 states from fp8 `values` [..., n * H] (or [..., H]) and their fp32 `scale` [..., n] (or [...]): each
+    H values times their scale, in fp32. The one formula: the reader's load and the training's device use it."""
     import torch
 
-    aux, scale = tensors.pop("aux_hidden"), tensors.pop("aux_scale")
-    T, n = scale.shape
-    tensors["aux_hidden"] = (aux.float().view(T, n, -1) * scale[:, :, None]).view(T, -1).to(torch.bfloat16)
-    final, fscale = tensors.pop("final_hidden"), tensors.pop("final_scale")
-    tensors["final_hidden"] = (final.float() * fscale[:, None]).to(torch.bfloat16)
+    return (values.float().view(*scale.shape, -1) * scale[..., None]).view(values.shape).to(torch.bfloat16)
+
+
+def dequantize_fp8(tensors: dict) -> dict:
+    """Replace fp8 aux/final states and their per-token scales by bfloat16 states."""
+    tensors["aux_hidden"] = dequantize(tensors.pop("aux_hidden"), tensors.pop("aux_scale"))
+    tensors["final_hidden"] = dequantize(tensors.pop("final_hidden"), tensors.pop("final_scale"))
     return tensors
 
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from eagle3.errors import PipelineError
+from eagle3.extract.format import dequantize
 from eagle3.extract.reader import HiddenStateReader
 
 log = logging.getLogger(__name__)
@@ -159,13 +160,11 @@ def collate(samples: list[dict], max_len: int, pad_multiple: int = 1, rows: int 
 
 def to_device(batch: dict, device: torch.device) -> dict:
     """Move a collated batch to the device; hidden states become fp32 there (autocast picks the matmul dtype). fp8
-    states are dequantized there as eagle3.extract.format.dequantize_fp8 does on the host (value * scale in fp32,
-    rounded to bf16), so training reads the same numbers either way."""
+    states are dequantized there by the reader's own formula (eagle3.extract.format.dequantize), so training reads
+    the same numbers either way."""
     out = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
     if "aux_scale" in out:
-        aux, scale = out["aux"], out.pop("aux_scale")
-        B, T, n = scale.shape
-        out["aux"] = (aux.float().view(B, T, n, -1) * scale[..., None]).view(B, T, -1).to(torch.bfloat16)
-        out["final"] = (out["final"].float() * out.pop("final_scale")[..., None]).to(torch.bfloat16)
+        out["aux"] = dequantize(out["aux"], out.pop("aux_scale"))
+        out["final"] = dequantize(out["final"], out.pop("final_scale"))
     out["aux"], out["final"] = out["aux"].float(), out["final"].float()
     return out
