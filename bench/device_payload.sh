@@ -12,7 +12,7 @@
 set -euo pipefail
 HELDOUT=${1:-500}
 PARTS=${PARTS:-2}
-[[ $PARTS =~ ^[1-9][0-9]*$ ]] || { echo "PARTS=$PARTS: the number of parts the GGUF travels in, 2 or more"; exit 2; }
+[[ $PARTS =~ ^[1-9][0-9]*$ ]] || { echo "PARTS=$PARTS: the number of parts the GGUF travels in, a whole number (2 or more fit a call)"; exit 2; }
 cd "$(dirname "$0")/.."
 version() { python -c "import importlib.metadata as m; print(m.version('$1'))"; }
 wheels() {  # NAME==VERSION ... into DIR, for the device's Python 3.12 on x86-64
