@@ -118,7 +118,7 @@ STUDIES = {"data": ["data3k", "data7k", "data_first", "data_all"],
            "epochs": ["epochs4", "epochs8", "epochs12", "epochs16"],  # epochs6 is data_first / data_all
            "fp8": ["fp8_first"], "selection": ["best_ckpt_first"]}
 # TrainConfig knobs that are no trigger-form param: a run sets them in train_overrides
-OVERRIDE_KNOBS = ("holdout_fraction", "validate_every")
+OVERRIDE_KNOBS = ("holdout_fraction", "validate_every", "grad_accum")
 
 
 def studies(args, total_parts: int) -> list[Variant]:
@@ -131,6 +131,9 @@ def studies(args, total_parts: int) -> list[Variant]:
     every = DataVariant(max_seq_len=args.all_turns_seq_len, parts=total_parts, turns="all", storage="float8_e4m3fn")
     full = every if args.study_data == "all" else first
     ks, n = list(args.ks), args.eval_new_tokens
+    # batch 32 at 2,048 tokens outgrows an 80 GB card (the [batch, tokens, draft vocab] float32 loss terms: 7.5 GB
+    # each): every-turn rows take the same 32 samples a step as 2 micro-batches of 16
+    halves = {"batch_size": DEFAULT_RECIPE["batch_size"] // 2, "grad_accum": 2}
 
     def v(name, change, group, data, cost, **train):
         return Variant(name, change, data, {**DEFAULT_RECIPE, **train}, ks, n, cost, group)
@@ -138,10 +141,11 @@ def studies(args, total_parts: int) -> list[Variant]:
     rows = {f"data{k}k": v(f"data{k}k", f"{k}K first turns", "data", replace(first, parts=min(k, total_parts)),
                            k / 15) for k in (3, 7, 15)}
     rows["data_first"] = v("data_first", "every first turn", "data", first, 1.0)
-    rows["data_all"] = v("data_all", f"every turn, max_seq_len {every.max_seq_len}, float8 storage", "data", every, 3.0)
+    rows["data_all"] = v("data_all", f"every turn, max_seq_len {every.max_seq_len}, float8 storage", "data", every, 3.0,
+                         **halves)
     for e in (4, 8, 12, 16):
         rows[f"epochs{e}"] = v(f"epochs{e}", f"{e} epochs, {args.study_data} turns", "epochs", full,
-                               e / 6 * (3.0 if full is every else 1.0), epochs=e)
+                               e / 6 * (3.0 if full is every else 1.0), epochs=e, **(halves if full is every else {}))
     rows["fp8_first"] = v("fp8_first", "every first turn stored float8_e4m3fn", "storage",
                           replace(first, storage="float8_e4m3fn"), 1.0)
     rows["best_ckpt_first"] = v("best_ckpt_first", "every first turn, 2% held out, best checkpoint exported",

@@ -175,7 +175,7 @@ class Runs:
             t = time.time()
             train = train_phase(replace(cfg.train, shard_dirs=shard_dirs, max_steps=max_steps or cfg.train.max_steps))
             train_s = time.time() - t
-            self.clock.record("train_sample", train["steps"] * cfg.train.batch_size, train_s)
+            self.clock.record("train_sample", train["steps"] * cfg.train.batch_size * cfg.train.grad_accum, train_s)
             t = time.time()
             failure = None
             try:
