@@ -138,3 +138,48 @@ def test_a_run_folder_copied_elsewhere_resumes(shards, tmp_path):
     assert cfg.fingerprint() == config(shards, tmp_path / "a", max_steps=6).fingerprint()
     again = train(cfg)
     assert again["steps"] == first["steps"] == 6
+
+
+@pytest.fixture(scope="module")
+def even_shards(tmp_path_factory, smollm2_path, smollm2_tokenizer):
+    """16 samples in chunks of 4: batch_size 4 and 2 micro-batches of 2 take the same samples a step."""
+    from eagle3.models import load_model
+    from tests.support import selfdistill as sd
+
+    root = tmp_path_factory.mktemp("accum")
+    target = build_tiny_target("llama", root / "target", smollm2_path)
+    model = load_model(target)
+    samples = sd.generate_answers(model, smollm2_tokenizer, sd.make_prompts(16), max_new_tokens=12)
+    for i, s in enumerate(samples):  # answers of unequal length: micro-batches with unequal masked slots
+        s["loss_mask"] = list(s["loss_mask"])
+        cut = len(s["loss_mask"]) - (i % 4) * 3
+        s["loss_mask"][cut:] = [0] * (len(s["loss_mask"]) - cut)
+    dirs = sd.write_shards(model, samples, root / "shards", CAPTURE, num_shards=1, chunk_samples=4,
+                           dtype=torch.float32, model_path=str(target))
+    return target, dirs
+
+
+def test_grad_accum_trains_what_one_batch_of_its_micro_batches_trains(even_shards, tmp_path):
+    """The step's loss is a mean over every masked slot of its micro-batches: batch 2 x grad_accum 2 follows
+    batch 4's loss curve and ends at its weights (a mean of the micro-batches' own means would not: their answers
+    differ in length)."""
+    from eagle3.train.trainer import read_metrics, train
+
+    one = train(config(even_shards, tmp_path / "b4"))
+    two = train(config(even_shards, tmp_path / "b2x2", batch_size=2, grad_accum=2))
+    assert_same_run(read_metrics(tmp_path / "b2x2" / "metrics.jsonl"), read_metrics(tmp_path / "b4" / "metrics.jsonl"))
+    assert_same_weights(two["drafter"], one["drafter"])
+
+
+def test_a_micro_batch_the_gpu_cannot_hold_names_the_knobs_that_fit_it(shards, tmp_path):
+    from eagle3.errors import ConfigError, retried
+    from eagle3.train.batches import out_of_memory
+
+    cfg = config(shards, tmp_path, batch_size=32, max_seq_len=2048)
+    batch = {"input_ids": torch.zeros(32, 2048, dtype=torch.long)}
+    with pytest.raises(ConfigError) as got:
+        with out_of_memory(cfg, batch, 28487):
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 6.95 GiB.")
+    msg = str(got.value)
+    assert "32 samples x 2048 tokens" in msg and "7.5 GB" in msg and "batch_size 32 x grad_accum 1" in msg
+    assert "max_seq_len (2048)" in msg and not retried(got.value)

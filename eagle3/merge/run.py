@@ -23,10 +23,11 @@ from eagle3.merge.config import MergeConfig
 from eagle3.merge.dataset import STATS_NAME, manifest_record
 from eagle3.merge.inputs import DatasetInput, discover_datasets
 from eagle3.merge.parse import BadLine, iter_parsed_blocks
-from eagle3.merge.shuffle import BucketSpill, bucket_bits_for, iter_sorted_buckets, prefetched
+from eagle3.merge.shuffle import BucketSpill, bucket_bits_for, iter_sorted_buckets
 from eagle3.merge.stats import BadInputError, MergeStats, extraction_estimate
 from eagle3.merge.validate import check_block
 from eagle3.merge.writer import PartWriter
+from eagle3.prefetch import prefetched
 
 log = logging.getLogger(__name__)
 
@@ -153,7 +154,7 @@ def _merge(cfg, datasets, out: PhaseOutput, tmp: Path, parts_tmp: Path) -> dict:
         tokens_per_file = max(1, -(-kept_tokens // cfg.num_files))
     writer = PartWriter(parts_tmp, tokens_per_file, cfg.row_group_tokens)
     written = 0
-    for rows, dups in prefetched(iter_sorted_buckets(spill)):
+    for rows, dups in prefetched(iter_sorted_buckets(spill), name="merge-prefetch"):
         if dups.num_rows:
             _count_duplicates(stats, datasets, rows, dups, cfg.max_examples)
         lengths = rows.column("length").to_numpy()

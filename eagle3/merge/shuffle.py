@@ -10,8 +10,6 @@ Memory is one parse block in pass 1 and one bucket in pass 2, whatever the datas
 from __future__ import annotations
 
 import hashlib
-import queue
-import threading
 from pathlib import Path
 from typing import Iterator
 
@@ -86,40 +84,6 @@ class BucketSpill:
                 self._sinks[b].close()
         self._writers.clear()
         self._sinks.clear()
-
-
-def prefetched(items: Iterator, depth: int = 1) -> Iterator:
-    """Run a generator one item ahead on a thread: pass 2 loads and sorts the next bucket while the caller
-    writes this one (pyarrow releases the GIL in both). Exceptions reach the caller."""
-    q: queue.Queue = queue.Queue(maxsize=depth)
-    done = object()
-    stop = threading.Event()
-
-    def work():
-        try:
-            for item in items:
-                if stop.is_set():
-                    return
-                q.put(item)
-            q.put(done)
-        except BaseException as e:  # handed to the consumer
-            q.put(e)
-
-    t = threading.Thread(target=work, daemon=True, name="merge-prefetch")
-    t.start()
-    try:
-        while (item := q.get()) is not done:
-            if isinstance(item, BaseException):
-                raise item
-            yield item
-    finally:
-        stop.set()
-        while t.is_alive():  # unblock a producer waiting on a full queue
-            try:
-                q.get(timeout=0.1)
-            except queue.Empty:
-                pass
-        t.join()
 
 
 def iter_sorted_buckets(spill: BucketSpill) -> Iterator[tuple[pa.Table, pa.Table]]:

@@ -6,13 +6,15 @@ Micro-batches never span chunks, so the position of a batch is computable from t
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 from dataclasses import dataclass
+from typing import Callable, Iterator
 
 import torch
 
-from eagle3.errors import PipelineError
+from eagle3.errors import ConfigError, PipelineError
 from eagle3.extract.format import dequantize
 from eagle3.extract.reader import HiddenStateReader
 
@@ -83,6 +85,35 @@ class BatchOrder:
                 t = self.reader.load(self.chunks[ci], dequantize=False)
                 for b in range(0, len(rows), self.batch_size):
                     yield self._samples(t, rows[b:b + self.batch_size])
+
+
+@dataclass
+class StepInput:
+    """One optimizer step's input: its micro-batches' samples (every rank's) and, collated, this rank's share of
+    each; `epoch` and `batch_pos` say where the order stands after the step (a checkpoint there resumes there)."""
+
+    samples: list[list[dict]]
+    batches: list[dict]
+    epoch: int
+    batch_pos: int
+
+
+def step_inputs(order: BatchOrder, epoch: int, skip: int, grad_accum: int,
+                collated: Callable[[list[dict]], dict]) -> Iterator[StepInput]:
+    """The steps' inputs from (epoch, skip) on, grad_accum micro-batches each (a step may span two epochs);
+    `collated` batches one micro-batch (this rank's share, padded, pinned). Pure in its arguments, so a thread can
+    run it ahead of the training loop (eagle3.prefetch)."""
+    def micro_batches():
+        e, s = epoch, skip
+        while True:
+            for index, samples in order.epoch(e, skip=s):
+                yield e, index + 1, samples
+            e, s = e + 1, 0
+
+    stream = micro_batches()
+    while True:
+        got = [next(stream) for _ in range(grad_accum)]
+        yield StepInput([g[2] for g in got], [collated(g[2]) for g in got], got[-1][0], got[-1][1])
 
 
 @dataclass
@@ -168,3 +199,20 @@ def to_device(batch: dict, device: torch.device) -> dict:
         out["final"] = dequantize(out["final"], out.pop("final_scale"))
     out["aux"], out["final"] = out["aux"].float(), out["final"].float()
     return out
+
+
+@contextlib.contextmanager
+def out_of_memory(cfg, batch: dict, draft_vocab_size: int):
+    """A micro-batch the GPU cannot hold fails the task at once (a retry meets the same batch), naming the knobs
+    that fit it: the loss holds several [rows, tokens, draft vocab] float32 terms, which outgrow the card first."""
+    try:
+        yield
+    except torch.OutOfMemoryError as e:
+        rows, tokens = batch["input_ids"].shape
+        term = rows * tokens * draft_vocab_size * 4 / 1e9
+        raise ConfigError(
+            f"train: out of GPU memory on a micro-batch of {rows} samples x {tokens} tokens (draft vocab "
+            f"{draft_vocab_size}: each float32 term of the loss is {term:.1f} GB): lower batch_size and raise "
+            f"grad_accum by the same factor (batch_size {cfg.batch_size} x grad_accum {cfg.grad_accum} now; a step "
+            f"trains the same samples either way), or lower max_seq_len ({cfg.max_seq_len}); the checkpoints "
+            f"written so far are kept. ({str(e).splitlines()[0][:200]})") from None

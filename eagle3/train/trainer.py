@@ -31,7 +31,9 @@ from eagle3.extract.reader import HiddenStateReader
 from eagle3.io import read_json
 from eagle3.knobs import build
 from eagle3.models import model_info
-from eagle3.train.batches import BatchOrder, collate, count_truncation, held_out_samples, to_device
+from eagle3.prefetch import prefetched
+from eagle3.train.batches import (BatchOrder, collate, count_truncation, held_out_samples, out_of_memory,
+                                   step_inputs, to_device)
 from eagle3.train.checkpoint import Checkpoints
 from eagle3.train.config import TrainConfig
 from eagle3.train.distributed import (Ranks, full_state, grad_sync, load_full_state, local_value,
@@ -227,20 +229,20 @@ def train(cfg: TrainConfig) -> dict:
     # sample (chunks hold samples of similar length, so that is little padding).
     share_rows = -(-cfg.batch_size // ranks.world)
     pad_multiple, batch_rows = (cfg.pad_multiple, share_rows) if compiled else (1, 0)
-    # data_s: host time reading and batching samples; the loss is read back every micro-batch, so the GPU waits
-    # through it: its share of the wall time is what a faster input path could win
+    # data_s: host time waiting for the next step's batches (a thread batches them ahead, eagle3.prefetch) and
+    # copying them to the device: the share of the wall time a faster input path could still win. The loss and
+    # metrics stay on the device and are read only where they are logged, so the host queues the next micro-batch
+    # while the GPU computes this one.
     t_start, tokens_done, data_s = time.time(), 0, 0.0
     validator = Validator(order, out, cfg.validation_interval, cfg.ttt_steps, cfg.max_seq_len,
                           vocab.draft_ids.to(device), ranks, ranks.main)
 
-    def micro_batches():
-        while True:
-            for index, samples in order.epoch(pos.epoch, skip=pos.batch_pos):
-                pos.batch_pos = index + 1
-                yield samples
-            pos.epoch, pos.batch_pos = pos.epoch + 1, 0
+    def collated(samples: list[dict]) -> dict:
+        batch = collate(ranks.share(samples), cfg.max_seq_len, pad_multiple, batch_rows)
+        return {k: v.pin_memory() for k, v in batch.items()} if on_gpu else batch
 
-    stream = micro_batches()
+    stream = prefetched(step_inputs(order, pos.epoch, pos.batch_pos, cfg.grad_accum, collated), depth=2,
+                        name="train-batches")
     model.train()
     start_step, last_log = pos.step, time.time()
     metrics_file = open(metrics_path, "a") if ranks.main else None  # rank 0 records, the others only train
@@ -252,29 +254,33 @@ def train(cfg: TrainConfig) -> dict:
     try:
         while pos.step < total_steps:
             opt.zero_grad(set_to_none=True)
-            sums = torch.zeros(cfg.ttt_steps, 3, dtype=torch.float64)
-            loss_total = 0.0
-            for micro in range(cfg.grad_accum):
+            t_data = time.perf_counter()
+            step_in = next(stream)
+            # the step's loss is a mean over the masked slots of all its micro-batches (every rank's): a step of
+            # grad_accum micro-batches trains what one batch of them all would
+            counts = masked_counts([s for m in step_in.samples for s in m], cfg.max_seq_len,
+                                   cfg.ttt_steps).to(device)
+            data_s += time.perf_counter() - t_data
+            sums = torch.zeros(cfg.ttt_steps, 3, device=device)
+            loss_total = torch.zeros((), device=device)
+            for micro, host_batch in enumerate(step_in.batches):
                 t_data = time.perf_counter()
-                samples = next(stream)
-                counts = masked_counts(samples, cfg.max_seq_len, cfg.ttt_steps).to(device) if ranks.distributed \
-                    else None
-                batch = to_device(collate(ranks.share(samples), cfg.max_seq_len, pad_multiple, batch_rows), device)
+                batch = to_device(host_batch, device)
                 data_s += time.perf_counter() - t_data
                 # DDP all-reduces gradients at the last micro-batch of a step only
-                with grad_sync(model, ranks, last=micro == cfg.grad_accum - 1):
+                with grad_sync(model, ranks, last=micro == cfg.grad_accum - 1), out_of_memory(cfg, batch, vocab.size):
                     with autocast:
                         loss, stats = loss_fn(model, batch, embed, target_head, cfg.ttt_steps, cfg.step_decay,
                                               counts)
                     # DDP averages the ranks' gradients: N x each rank's part gives the gradient of their sum
-                    (loss * ranks.world / cfg.grad_accum).backward()
-                loss_total += float(loss.detach()) / cfg.grad_accum
-                tokens_done += sum(min(len(s["input_ids"]), cfg.max_seq_len) for s in samples)  # real tokens only
-                sums += stats.double().cpu()
-            if ranks.distributed:  # the metrics of the whole step: every rank's part summed
-                both = torch.cat([sums.flatten(), torch.tensor([loss_total], dtype=torch.float64)])
-                both = ranks.sum(both.to(device)).cpu()  # nccl reduces on the GPU
-                sums, loss_total = both[:-1].view_as(sums), float(both[-1])
+                    (loss * ranks.world).backward()
+                loss_total += loss.detach()
+                sums += stats.float()
+            tokens_done += sum(min(len(s["input_ids"]), cfg.max_seq_len) for m in step_in.samples for s in m)
+            pos.epoch, pos.batch_pos = step_in.epoch, step_in.batch_pos
+            if ranks.distributed:  # the metrics of the whole step: every rank's part summed (on the device)
+                both = ranks.sum(torch.cat([sums.flatten(), loss_total.view(1)]))
+                sums, loss_total = both[:-1].view_as(sums), both[-1]
             grad_norm = local_value(torch.nn.utils.clip_grad_norm_(drafter.parameters(), cfg.grad_clip))
             lr = sched.get_last_lr()[0]
             opt.step()
@@ -283,8 +289,9 @@ def train(cfg: TrainConfig) -> dict:
             step = pos.step
             maybe_kill_rank(ranks.rank, step)
             if metrics_file and (step % cfg.log_every == 0 or step == total_steps):
+                sums = sums.double().cpu()
                 rec = {
-                    "step": step, "epoch": pos.epoch, "lr": lr, "loss": loss_total, "grad_norm": float(grad_norm),
+                    "step": step, "epoch": pos.epoch, "lr": lr, "loss": float(loss_total), "grad_norm": float(grad_norm),
                     "loss_k": (sums[:, 0] / sums[:, 2].clamp(min=1)).tolist(),
                     "acc_k": (sums[:, 1] / sums[:, 2].clamp(min=1)).tolist(),
                     "tokens_per_s": tokens_done / max(1e-9, time.time() - t_start),
@@ -299,7 +306,7 @@ def train(cfg: TrainConfig) -> dict:
                 rate = (step - start_step) / max(1e-9, now - t_start)
                 elapsed = max(1e-9, now - t_start)
                 log.info("step %d/%d  loss %.4f  acc@k0 %.3f  %.0f tok/s  data %.0f%%  ETA %.0f s", step, total_steps,
-                         loss_total, float(sums[0, 1] / sums[0, 2].clamp(min=1)), tokens_done / elapsed,
+                         float(loss_total), float(sums[0, 1] / sums[0, 2].clamp(min=1)), tokens_done / elapsed,
                          100 * data_s / elapsed, (total_steps - step) / max(rate, 1e-9))
             validated = validator.due(step, total_steps)
             if step % cfg.checkpoint_every == 0 or step == total_steps or validated:
@@ -315,6 +322,7 @@ def train(cfg: TrainConfig) -> dict:
                     checkpoints.save(pos, drafter, opt, sched, states, best=best)
         ok = True
     finally:
+        stream.close()  # stops the batching thread
         if metrics_file:
             metrics_file.close()
         if tracker:
