@@ -20,12 +20,16 @@ from eagle3.io import atomic_write_json
 
 @dataclass(frozen=True)
 class DataVariant:
-    answers: str = "greedy"  # greedy | sampled (at the run's --temperature)
+    answers: str = "greedy"  # greedy | sampled (at the run's --temperature) | greedy+sampled (both sets merged)
     storage: str = "bfloat16"  # extraction storage dtype
     max_seq_len: int = 512
     parts: int = 1  # answer parts (of --part-size prompts each) merged
     turns: str = "first"  # first: each conversation cut after its first answer; all: every turn answered
     weights: str = "bf16"  # the target's weights during extraction: bf16, or fp8 (torchao on load)
+
+    @property
+    def answer_sets(self) -> list[str]:
+        return self.answers.split("+")
 
     @property
     def key(self) -> str:
@@ -114,7 +118,7 @@ def plan(args, ablation_parts: int) -> list[Variant]:
 # so each compares with the defaults' 3.24 / 2.45. `--studies` picks groups or row names.
 DEFAULT_RECIPE = {"epochs": 6, "ttt_steps": 3, "draft_vocab_size": 32000, "lr": 8e-4, "batch_size": 32}
 # data15k is asked by name only: every first turn (data_first) is 15,080 prompts on the ShareGPT wheel
-STUDIES = {"data": ["data3k", "data7k", "data_first", "data_all"],
+STUDIES = {"data": ["data3k", "data7k", "data_first", "data_all", "data_x2"],
            "epochs": ["epochs4", "epochs8", "epochs12", "epochs16"],  # epochs6 is data_first / data_all
            "fp8": ["fp8_first"], "selection": ["best_ckpt_first"]}
 # TrainConfig knobs that are no trigger-form param: a run sets them in train_overrides
@@ -124,7 +128,9 @@ OVERRIDE_KNOBS = ("holdout_fraction", "validate_every", "grad_accum")
 def studies(args, total_parts: int) -> list[Variant]:
     """The asked round-2 rows. data*: the first 3, 7, 15 and every part of first turns (max_seq_len
     --max-seq-len), then every turn (--all-turns-seq-len, float8 storage: all turns in bf16 outgrow the H200's
-    64 GB disk); epochs*: on --study-data (first | all) at full data; fp8_first: every first turn stored float8
+    64 GB disk; batch 32 as 2 micro-batches of 16), data_x2 every turn with a second answer set sampled at
+    --temperature beside the greedy one (generated unless committed); epochs*: on --study-data (first | all) at full
+    data; fp8_first: every first turn stored float8
     (against data_first, bf16); best_ckpt_first: every first turn, 2% held out, the export chosen by simulated
     acceptance (against data_first, the last checkpoint)."""
     first = DataVariant(max_seq_len=args.max_seq_len, parts=total_parts)
@@ -143,6 +149,9 @@ def studies(args, total_parts: int) -> list[Variant]:
     rows["data_first"] = v("data_first", "every first turn", "data", first, 1.0)
     rows["data_all"] = v("data_all", f"every turn, max_seq_len {every.max_seq_len}, float8 storage", "data", every, 3.0,
                          **halves)
+    # a second answer to every turn, sampled at --temperature: twice the samples from the same conversations
+    rows["data_x2"] = v("data_x2", f"every turn answered twice: greedy and sampled (T={args.temperature:g})", "data",
+                        replace(every, answers="greedy+sampled"), 6.0, **halves)
     for e in (4, 8, 12, 16):
         rows[f"epochs{e}"] = v(f"epochs{e}", f"{e} epochs, {args.study_data} turns", "epochs", full,
                                e / 6 * (3.0 if full is every else 1.0), epochs=e, **(halves if full is every else {}))

@@ -113,7 +113,7 @@ def generate(args, prompts: list[list[str]], model_path: Path, root: Path, tempe
     from eagle3.models import load_model, load_tokenizer
     from tests.support import selfdistill as sd
 
-    parts = [(f"P{i // args.part_size:03d}", i) for i in range(0, len(prompts), args.part_size)]
+    parts = [(part_name(root.name, i // args.part_size), i) for i in range(0, len(prompts), args.part_size)]
     todo = [p for p in parts if not (root / p[0] / "tokenized.jsonl").is_file()]
     group = max(1, args.gen_group)
     model = tok = None
@@ -152,6 +152,12 @@ def generate(args, prompts: list[list[str]], model_path: Path, root: Path, tempe
     return answered_parts(root, args.part_size, len(prompts))[1]
 
 
+def part_name(answers: str, p: int) -> str:
+    """Answer part p's folder, which is its dataset name: P000... for greedy answers, S000... for sampled ones (the
+    set's initial), so both sets merge together (a merge refuses a dataset name twice)."""
+    return f"{'P' if answers.startswith('greedy') else answers[0].upper()}{p:03d}"
+
+
 def write_part(folder: Path, samples: list[dict], answers: str, first: int) -> None:
     """One part's tokenized.jsonl (the conversations with an answered turn), atomically."""
     from eagle3.io import atomic_path
@@ -166,7 +172,7 @@ def write_part(folder: Path, samples: list[dict], answers: str, first: int) -> N
 def answered_parts(root: Path, part_size: int, n_prompts: int) -> tuple[int, int]:
     """(leading parts answered, the prompts they hold): parts are merged as a prefix, so a gap ends the count."""
     parts = 0
-    while parts * part_size < n_prompts and (root / f"P{parts:03d}" / "tokenized.jsonl").is_file():
+    while parts * part_size < n_prompts and (root / part_name(root.name, parts) / "tokenized.jsonl").is_file():
         parts += 1
     return parts, min(n_prompts, parts * part_size)
 

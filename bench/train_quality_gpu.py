@@ -51,7 +51,7 @@ from bench.extract_fp8 import fp8_extraction_backend  # noqa: E402
 from bench.quality_plan import (OVERRIDE_KNOBS, Clock, Variant, main_variant, plan, recipe, studies,  # noqa: E402
                                 write_table)
 from bench.quality_prompts import (  # noqa: E402
-    GEN_ATTENTION, GEN_CACHES, TURNS, answered_parts, first_turns, generate, read_conversations,
+    GEN_ATTENTION, GEN_CACHES, TURNS, answered_parts, first_turns, generate, part_name, read_conversations,
 )
 from eagle3.config import RunConfig, resolve  # noqa: E402
 from eagle3.errors import PipelineError  # noqa: E402
@@ -95,10 +95,16 @@ def wait_for_parts(root: Path, parts: int, args, n_prompts: int, gen: subprocess
 TRAIN_OVERRIDES = {"warmup_ratio": 0.02, "checkpoint_every": 500, "log_every": 10, "compile": False}
 
 
-def answers_dir(args, work: Path, d) -> Path:
-    """The answer parts a data variant merges: first turns of all-turn answers are cut from them (first_turns)."""
+def answers_dir(args, work: Path, d, answers: str) -> Path:
+    """One answer set's parts as a data variant merges them: first turns of all-turn answers are cut from them
+    (first_turns)."""
     cut = d.turns == "first" and args.gen_turns == "all"
-    return work / "datagen" / (d.answers + ("-first" if cut else ""))
+    return work / "datagen" / (answers + ("-first" if cut else ""))
+
+
+def merge_inputs(args, work: Path, d) -> list[str]:
+    """Every part of each of the variant's answer sets (`greedy+sampled`: both)."""
+    return [str(answers_dir(args, work, d, a) / part_name(a, p)) for a in d.answer_sets for p in range(d.parts)]
 
 
 def row_config(args, model_path: Path, work: Path, v: Variant) -> RunConfig:
@@ -115,9 +121,9 @@ def row_config(args, model_path: Path, work: Path, v: Variant) -> RunConfig:
               "eval_prompts": args.eval_prompts, "eval_ks": v.ks,
               "eval_max_new_tokens": v.eval_new_tokens, "eval_max_prompts": args.eval_conversations}
     cfg, _ = resolve(RunConfig.from_params(params, v.name))
-    data, answers, trained = work / f"data-{d.key}", answers_dir(args, work, d), work / f"train-{v.name}"
+    data, trained = work / f"data-{d.key}", work / f"train-{v.name}"
     return replace(
-        cfg, merge=replace(cfg.merge, inputs=[str(answers / f"P{p:03d}") for p in range(d.parts)],
+        cfg, merge=replace(cfg.merge, inputs=merge_inputs(args, work, d),
                            output_dir=str(data / "merge")),
         plan=replace(cfg.plan, merge_dir=str(data / "merge")),
         extract=replace(cfg.extract, extract_dir=str(data / "extract")),
@@ -151,17 +157,19 @@ class Runs:
         args, d = self.args, v.data
         n = min(len(self.prompts), d.parts * args.part_size)
         wait_for_parts(self.work / "datagen" / "greedy", d.parts, args, len(self.prompts), self.gen)
-        if d.answers != "greedy":  # the same prompts, as many parts
-            done = generate(args, self.prompts[:n], self.model_path, self.work / "datagen" / d.answers,
-                            args.temperature, self.clock, self.device)
-            if done < n:
-                raise PipelineError(f"{d.answers} answers: {done} of {n} prompts by the deadline")
+        for a in d.answer_sets:
+            if a != "greedy":  # the same prompts, as many parts (none redone: committed ones are unpacked first)
+                done = generate(args, self.prompts[:n], self.model_path, self.work / "datagen" / a,
+                                args.temperature, self.clock, self.device)
+                if done < n:
+                    raise PipelineError(f"{a} answers: {done} of {n} prompts by the deadline")
         if d.turns == "all" and args.gen_turns != "all":
             raise PipelineError(f"{v.name} trains on every turn: generate them (--gen-turns all)")
-        if answers_dir(args, self.work, d).name.endswith("-first"):
-            for p in range(d.parts):
-                part = f"P{p:03d}"
-                first_turns(self.work / "datagen" / d.answers / part, answers_dir(args, self.work, d) / part)
+        for a in d.answer_sets:
+            if answers_dir(args, self.work, d, a).name.endswith("-first"):
+                for p in range(d.parts):
+                    part = part_name(a, p)
+                    first_turns(self.work / "datagen" / a / part, answers_dir(args, self.work, d, a) / part)
         if d.key not in self.shards_of:
             self.shards_of[d.key] = prepare_data(cfg, self.clock, d.weights)
         return self.shards_of[d.key]
@@ -196,10 +204,11 @@ def run_ablations(runs: Runs, variants: list[Variant], until: float, out: Path, 
     ends; a row whose estimate ends past `until` is "not run" (unless already finished: it is read back)."""
     args, work, clock = runs.args, runs.work, runs.clock
     for v in variants:  # sampled answers first: the child writes the greedy parts meanwhile
-        if v.data.answers != "greedy" and clock.allows("variant", v.cost, until):
-            n = min(len(runs.prompts), v.data.parts * args.part_size)
-            generate(args, runs.prompts[:n], runs.model_path, work / "datagen" / v.data.answers, args.temperature,
-                     clock, runs.device)
+        for a in v.data.answer_sets:
+            if a != "greedy" and clock.allows("variant", v.cost, until):
+                n = min(len(runs.prompts), v.data.parts * args.part_size)
+                generate(args, runs.prompts[:n], runs.model_path, work / "datagen" / a, args.temperature, clock,
+                         runs.device)
     rows = [] if rows is None else rows
     for v in variants:
         base = next((r for r in rows if r["name"] == "base" and r.get("draft_vocab")), None)
@@ -300,6 +309,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--stage", choices=("all", "generate"), default="all",
                     help="generate: only the greedy answers, until --until (epoch seconds), e.g. a session of its own")
     ap.add_argument("--until", type=float, default=0, help="--stage generate: no part starts that ends past it")
+    ap.add_argument("--gen-answers", choices=("greedy", "sampled"), default="greedy",
+                    help="--stage generate: which answers (sampled: at --temperature; a second answer set to train on)")
     ap.add_argument("--smoke", action="store_true", help="CPU: tiny everything (the cached SmolLM2 folder)")
     return ap
 
@@ -345,7 +356,9 @@ def main() -> None:
     prompts = read_conversations(args.train_prompts, args.prompts, tok, args.max_prompt_tokens, args.gen_turns)
     greedy = work / "datagen" / "greedy"
     if args.stage == "generate":
-        generate(args, prompts, model_path, greedy, 0.0, clock, device, until=args.until)
+        temperature = 0.0 if args.gen_answers == "greedy" else args.temperature
+        generate(args, prompts, model_path, work / "datagen" / args.gen_answers, temperature, clock, device,
+                 until=args.until)
         return
     gen = start_generation(t0 + args.gen_by_s, work)
     meta = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "argv": sys.argv[1:],

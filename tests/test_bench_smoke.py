@@ -175,3 +175,25 @@ def test_generate_bench_smoke_times_each_attention_and_checks_its_step_against_f
         assert step["max_error"] < 1e-5 and step["top1_agreement"] == 1.0
     assert {(r["attention"], r["cache"]) for r in res["rows"] if r["step_ms"] > 0} == {
         (a, c) for a in ("sdpa", "grouped") for c in ("dynamic", "static-eager")}
+
+
+@pytest.mark.slow
+def test_quality_bench_trains_on_a_second_sampled_answer_set(tmp_path, smollm2_path):
+    """bench/train_quality_gpu.py's CPU mode, the data_x2 row: every turn answered twice (greedy, then sampled at
+    --temperature), both sets merged under their own dataset names, trained and evaluated."""
+    import subprocess
+    import sys
+
+    work, out = tmp_path / "q", tmp_path / "out"
+    subprocess.run([sys.executable, "bench/train_quality_gpu.py", "--smoke", "--work", str(work), "--out", str(out),
+                    "--ablations", "none", "--no-main", "--gen-turns", "all", "--study-data", "all",
+                    "--studies", "data_x2"], check=True, capture_output=True, timeout=600)
+    row = json.loads((out / "ablations.json").read_text())["rows"][0]
+    assert row["name"] == "data_x2" and row["status"] == "done" and row["tau"]
+    greedy = [ln for p in sorted((work / "datagen" / "greedy").glob("P*/tokenized.jsonl"))
+              for ln in p.read_text().splitlines()]
+    sampled = [json.loads(ln) for p in sorted((work / "datagen" / "sampled").glob("S*/tokenized.jsonl"))
+               for ln in p.read_text().splitlines()]
+    assert len(sampled) == len(greedy) > 0 and row["merged_rows"] == 2 * len(greedy)
+    # sampled, not the greedy answers again
+    assert [s["input_ids"] for s in sampled] != [json.loads(ln)["input_ids"] for ln in greedy]

@@ -4,6 +4,7 @@ it beats the base run by more than the margin; ties keep the base value; sampled
 from __future__ import annotations
 
 from dataclasses import replace
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -58,11 +59,16 @@ def test_round2_studies_run_the_default_recipe_on_growing_data_and_name_their_co
 
     a = args(studies="data,epochs,fp8,selection", all_turns_seq_len=2048, study_data="first", eval_new_tokens=512)
     rows = {v.name: v for v in studies(a, total_parts=16)}
-    assert list(rows) == ["data3k", "data7k", "data_first", "data_all", "epochs4", "epochs8", "epochs12", "epochs16",
-                          "fp8_first", "best_ckpt_first"]
+    assert list(rows) == ["data3k", "data7k", "data_first", "data_all", "data_x2", "epochs4", "epochs8", "epochs12",
+                          "epochs16", "fp8_first", "best_ckpt_first"]
     assert [rows[n].data.parts for n in ("data3k", "data7k", "data_first")] == [3, 7, 16]
     assert rows["data_all"].data.turns == "all" and rows["data_all"].data.storage == "float8_e4m3fn"
     assert rows["data_all"].data.max_seq_len == 2048 and rows["data_first"].data.max_seq_len == 512
+    # every turn at 2,048 tokens: the 32 samples of a step as 2 micro-batches (batch 32 outgrew an 80 GB card)
+    assert rows["data_all"].train == {**DEFAULT_RECIPE, "batch_size": 16, "grad_accum": 2}
+    # data_x2: every turn's data with a second, sampled answer set beside the greedy one
+    assert rows["data_x2"].data == replace(rows["data_all"].data, answers="greedy+sampled")
+    assert rows["data_x2"].data.answer_sets == ["greedy", "sampled"] and rows["data_x2"].train == rows["data_all"].train
     # fp8 and the chosen checkpoint differ from data_first in their one knob; the epochs rows in epochs alone
     assert rows["fp8_first"].data == replace(rows["data_first"].data, storage="float8_e4m3fn")
     assert rows["best_ckpt_first"].train == {**DEFAULT_RECIPE, "holdout_fraction": 0.02, "validate_every": 200}
@@ -91,3 +97,22 @@ def test_first_turns_cut_an_all_turn_sample_after_its_first_answer(tmp_path):
     first_turns(src, tmp_path / "first")
     got = [json.loads(ln) for ln in (tmp_path / "first" / "tokenized.jsonl").read_text().splitlines()]
     assert got == [{**sample, "input_ids": [1, 2, 3, 4], "loss_mask": [0, 0, 1, 1], "turns": 1}, one]
+
+
+def test_two_answer_sets_merge_under_distinct_dataset_names(tmp_path):
+    """greedy+sampled merges both sets' parts: P000... and S000..., since a merge refuses a dataset name twice."""
+    from bench.quality_plan import DataVariant
+    from bench.quality_prompts import answered_parts, part_name, write_part
+    from bench.train_quality_gpu import merge_inputs
+
+    a = SimpleNamespace(gen_turns="all")
+    d = DataVariant(answers="greedy+sampled", parts=2, turns="all")
+    got = merge_inputs(a, tmp_path, d)
+    assert [Path(p).relative_to(tmp_path).as_posix() for p in got] == [
+        "datagen/greedy/P000", "datagen/greedy/P001", "datagen/sampled/S000", "datagen/sampled/S001"]
+    sample = {"input_ids": [1, 2, 3], "loss_mask": [0, 1, 1], "turns": 1}
+    for p in range(2):  # as generate() writes them: the part's folder is its dataset name
+        write_part(tmp_path / "datagen" / "sampled" / part_name("sampled", p), [sample], "sampled", p)
+    assert answered_parts(tmp_path / "datagen" / "sampled", 1, 3) == (2, 2)
+    line = (tmp_path / "datagen" / "sampled" / "S001" / "tokenized.jsonl").read_text()
+    assert '"dataset": "S001"' in line and '"sample_id": "sampled-1"' in line
