@@ -92,7 +92,7 @@ def wait_for_parts(root: Path, parts: int, args, n_prompts: int, gen: subprocess
 
 
 # the recipe's knobs that are no trigger-form param: the form's train_overrides, as a run would set them
-TRAIN_OVERRIDES = {"warmup_ratio": 0.02, "checkpoint_every": 500, "log_every": 10, "compile": False}
+TRAIN_OVERRIDES = {"warmup_ratio": 0.02, "checkpoint_every": 500, "log_every": 10}
 
 
 def answers_dir(args, work: Path, d, answers: str) -> Path:
@@ -117,7 +117,8 @@ def row_config(args, model_path: Path, work: Path, v: Variant) -> RunConfig:
               "max_seq_len": d.max_seq_len, "storage_dtype": d.storage, "num_shards": args.shards,
               "token_budget": 65536, "chunk_mb": 256, **{k: x for k, x in v.train.items() if k not in OVERRIDE_KNOBS},
               "max_steps": args.max_steps,
-              "train_overrides": {**TRAIN_OVERRIDES, **{k: x for k, x in v.train.items() if k in OVERRIDE_KNOBS}},
+              "train_overrides": {**TRAIN_OVERRIDES, "compile": args.train_compile,
+                                  **{k: x for k, x in v.train.items() if k in OVERRIDE_KNOBS}},
               "eval_prompts": args.eval_prompts, "eval_ks": v.ks,
               "eval_max_new_tokens": v.eval_new_tokens, "eval_max_prompts": args.eval_conversations}
     cfg, _ = resolve(RunConfig.from_params(params, v.name))
@@ -311,6 +312,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--until", type=float, default=0, help="--stage generate: no part starts that ends past it")
     ap.add_argument("--gen-answers", choices=("greedy", "sampled"), default="greedy",
                     help="--stage generate: which answers (sampled: at --temperature; a second answer set to train on)")
+    ap.add_argument("--train-compile", action="store_true", help="torch.compile the TTT loss (the trainer's GPU "
+                    "default; 2.4x eager at the SmolLM2 shape in train_bench, never measured on these rows' data)")
     ap.add_argument("--smoke", action="store_true", help="CPU: tiny everything (the cached SmolLM2 folder)")
     return ap
 
