@@ -66,3 +66,39 @@ def test_an_output_that_is_not_a_regular_file_is_refused_and_a_symlink_written_t
     atomic_write_bytes(link, b"new")
     assert link.is_symlink() and target.read_bytes() == b"new" and link.read_bytes() == b"new"
     assert sorted(p.name for p in target.parent.iterdir()) == ["data.json"]
+
+
+def test_prefetched_hands_on_items_and_errors_and_stops_its_thread_when_closed():
+    """eagle3.prefetch runs the producer ahead on a thread (the merge's pass 2, training's batches): items arrive in
+    order, a producer's exception reaches the consumer, and leaving the loop early stops the producer."""
+    import threading
+
+    import pytest
+
+    from eagle3.prefetch import prefetched
+
+    assert list(prefetched(iter(range(50)), depth=3)) == list(range(50))
+
+    def failing():
+        yield 1
+        raise ValueError("chunk 7 unreadable")
+
+    got = prefetched(failing(), name="t-fail")
+    assert next(got) == 1
+    with pytest.raises(ValueError, match="chunk 7"):
+        next(got)
+
+    produced = []
+
+    def endless():
+        i = 0
+        while True:
+            produced.append(i)
+            yield i
+            i += 1
+
+    stream = prefetched(endless(), depth=2, name="t-endless")
+    assert [next(stream) for _ in range(5)] == [0, 1, 2, 3, 4]
+    stream.close()
+    assert not any(t.name == "t-endless" for t in threading.enumerate())
+    assert len(produced) <= 5 + 2 + 2  # the queue's depth and the item in hand, no more

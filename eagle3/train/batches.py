@@ -94,15 +94,16 @@ class StepInput:
 
     samples: list[list[dict]]
     batches: list[dict]
+    counts: torch.Tensor  # [K] the masked slots of each TTT step over all of the step's samples
     epoch: int
     batch_pos: int
 
 
-def step_inputs(order: BatchOrder, epoch: int, skip: int, grad_accum: int,
-                collated: Callable[[list[dict]], dict]) -> Iterator[StepInput]:
+def step_inputs(order: BatchOrder, epoch: int, skip: int, grad_accum: int, collated: Callable[[list[dict]], dict],
+                counted: Callable[[list[dict]], torch.Tensor]) -> Iterator[StepInput]:
     """The steps' inputs from (epoch, skip) on, grad_accum micro-batches each (a step may span two epochs);
-    `collated` batches one micro-batch (this rank's share, padded, pinned). Pure in its arguments, so a thread can
-    run it ahead of the training loop (eagle3.prefetch)."""
+    `collated` batches one micro-batch (this rank's share, padded, pinned), `counted` counts the whole step's masked
+    slots. Pure in its arguments, so a thread can run it ahead of the training loop (eagle3.prefetch)."""
     def micro_batches():
         e, s = epoch, skip
         while True:
@@ -113,7 +114,9 @@ def step_inputs(order: BatchOrder, epoch: int, skip: int, grad_accum: int,
     stream = micro_batches()
     while True:
         got = [next(stream) for _ in range(grad_accum)]
-        yield StepInput([g[2] for g in got], [collated(g[2]) for g in got], got[-1][0], got[-1][1])
+        samples = [g[2] for g in got]
+        yield StepInput(samples, [collated(m) for m in samples], counted([s for m in samples for s in m]),
+                        got[-1][0], got[-1][1])
 
 
 @dataclass

@@ -237,11 +237,17 @@ def train(cfg: TrainConfig) -> dict:
     validator = Validator(order, out, cfg.validation_interval, cfg.ttt_steps, cfg.max_seq_len,
                           vocab.draft_ids.to(device), ranks, ranks.main)
 
-    def collated(samples: list[dict]) -> dict:
-        batch = collate(ranks.share(samples), cfg.max_seq_len, pad_multiple, batch_rows)
-        return {k: v.pin_memory() for k, v in batch.items()} if on_gpu else batch
+    def pinned(t: torch.Tensor) -> torch.Tensor:  # copied to the GPU without waiting for it (non_blocking)
+        return t.pin_memory() if on_gpu else t
 
-    stream = prefetched(step_inputs(order, pos.epoch, pos.batch_pos, cfg.grad_accum, collated), depth=2,
+    def collated(samples: list[dict]) -> dict:
+        return {k: pinned(v) for k, v in collate(ranks.share(samples), cfg.max_seq_len, pad_multiple,
+                                                 batch_rows).items()}
+
+    def counted(samples: list[dict]) -> torch.Tensor:
+        return pinned(masked_counts(samples, cfg.max_seq_len, cfg.ttt_steps))
+
+    stream = prefetched(step_inputs(order, pos.epoch, pos.batch_pos, cfg.grad_accum, collated, counted), depth=2,
                         name="train-batches")
     model.train()
     start_step, last_log = pos.step, time.time()
@@ -258,8 +264,7 @@ def train(cfg: TrainConfig) -> dict:
             step_in = next(stream)
             # the step's loss is a mean over the masked slots of all its micro-batches (every rank's): a step of
             # grad_accum micro-batches trains what one batch of them all would
-            counts = masked_counts([s for m in step_in.samples for s in m], cfg.max_seq_len,
-                                   cfg.ttt_steps).to(device)
+            counts = step_in.counts.to(device, non_blocking=True)
             data_s += time.perf_counter() - t_data
             sums = torch.zeros(cfg.ttt_steps, 3, device=device)
             loss_total = torch.zeros((), device=device)
@@ -291,7 +296,8 @@ def train(cfg: TrainConfig) -> dict:
             if metrics_file and (step % cfg.log_every == 0 or step == total_steps):
                 sums = sums.double().cpu()
                 rec = {
-                    "step": step, "epoch": pos.epoch, "lr": lr, "loss": float(loss_total), "grad_norm": float(grad_norm),
+                    "step": step, "epoch": pos.epoch, "lr": lr, "loss": float(loss_total),
+                    "grad_norm": float(grad_norm),
                     "loss_k": (sums[:, 0] / sums[:, 2].clamp(min=1)).tolist(),
                     "acc_k": (sums[:, 1] / sums[:, 2].clamp(min=1)).tolist(),
                     "tokens_per_s": tokens_done / max(1e-9, time.time() - t_start),
