@@ -27,6 +27,13 @@ class ConfigError(PipelineError, ValueError):
     kind = "a config error"
 
 
+class DeviceOOMError(PipelineError):
+    """The GPU ran out of memory; the message names the params that make the work fit. Retried where another
+    process may have held the memory (a retry resumes from what is committed), not where a pre-check refuses."""
+
+    kind = "out of memory"
+
+
 def retried(e: BaseException) -> bool:
     """Whether a retry of the task can help: False for the classes that say so; any other exception (an OSError,
     a torch error, a timeout) is taken for a fault and retried."""

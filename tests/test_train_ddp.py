@@ -172,14 +172,14 @@ def test_grad_accum_trains_what_one_batch_of_its_micro_batches_trains(even_shard
 
 
 def test_a_micro_batch_the_gpu_cannot_hold_names_the_knobs_that_fit_it(shards, tmp_path):
-    from eagle3.errors import ConfigError, retried
+    from eagle3.errors import DeviceOOMError, failure_kind
     from eagle3.train.batches import out_of_memory
 
     cfg = config(shards, tmp_path, batch_size=32, max_seq_len=2048)
     batch = {"input_ids": torch.zeros(32, 2048, dtype=torch.long)}
-    with pytest.raises(ConfigError) as got:
+    with pytest.raises(DeviceOOMError) as got:
         with out_of_memory(cfg, batch, 28487):
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 6.95 GiB.")
     msg = str(got.value)
     assert "32 samples x 2048 tokens" in msg and "7.5 GB" in msg and "batch_size 32 x grad_accum 1" in msg
-    assert "max_seq_len (2048)" in msg and not retried(got.value)
+    assert "max_seq_len (2048)" in msg and failure_kind(got.value) == "out of memory"

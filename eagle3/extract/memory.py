@@ -9,18 +9,16 @@ from __future__ import annotations
 
 import torch
 
-from eagle3.errors import PipelineError
+from eagle3.errors import DeviceOOMError
 from eagle3.extract.backend import DTYPES
 from eagle3.extract.config import ExtractConfig
 from eagle3.knobs import knob_meta
 
 
-class ExtractOOMError(PipelineError):
+class ExtractOOMError(DeviceOOMError):
     """The token budget does not fit the device; the message names the param and a smaller value. The memory
     pre-check's refusal is not retried (the same plan meets the same memory); an OOM in the forward is
     (another process may have held the memory)."""
-
-    kind = "out of memory"
 
 
 def estimate_batch_bytes(token_budget: int, hidden: int, intermediate: int, n_capture: int,

@@ -14,7 +14,7 @@ from typing import Callable, Iterator
 
 import torch
 
-from eagle3.errors import ConfigError, PipelineError
+from eagle3.errors import DeviceOOMError, PipelineError
 from eagle3.extract.format import dequantize
 from eagle3.extract.reader import HiddenStateReader
 
@@ -206,14 +206,15 @@ def to_device(batch: dict, device: torch.device) -> dict:
 
 @contextlib.contextmanager
 def out_of_memory(cfg, batch: dict, draft_vocab_size: int):
-    """A micro-batch the GPU cannot hold fails the task at once (a retry meets the same batch), naming the knobs
-    that fit it: the loss holds several [rows, tokens, draft vocab] float32 terms, which outgrow the card first."""
+    """A micro-batch the GPU cannot hold, said with the knobs that fit it: the loss holds several [rows, tokens,
+    draft vocab] float32 terms, which outgrow the card first. Retried, as extraction's OOM in the forward is
+    (another process may have held the memory); a retry resumes at the last checkpoint."""
     try:
         yield
     except torch.OutOfMemoryError as e:
         rows, tokens = batch["input_ids"].shape
         term = rows * tokens * draft_vocab_size * 4 / 1e9
-        raise ConfigError(
+        raise DeviceOOMError(
             f"train: out of GPU memory on a micro-batch of {rows} samples x {tokens} tokens (draft vocab "
             f"{draft_vocab_size}: each float32 term of the loss is {term:.1f} GB): lower batch_size and raise "
             f"grad_accum by the same factor (batch_size {cfg.batch_size} x grad_accum {cfg.grad_accum} now; a step "
