@@ -154,16 +154,24 @@ class Runs:
         self.args, self.work, self.model_path, self.clock = args, work, model_path, clock
         self.prompts, self.device, self.gen, self.shards_of = prompts, device, gen, {}
 
+    def other_answers(self, d) -> list[str]:
+        """The variant's answer sets besides the greedy one (the generation child writes that), answered here for
+        its prompts (a finished part is never redone: committed ones are unpacked first); what is still short."""
+        n = min(len(self.prompts), d.parts * self.args.part_size)
+        short = []
+        for a in d.answer_sets:
+            if a != "greedy":
+                done = generate(self.args, self.prompts[:n], self.model_path, self.work / "datagen" / a,
+                                self.args.temperature, self.clock, self.device)
+                short += [f"{a} answers: {done} of {n} prompts by the deadline"] if done < n else []
+        return short
+
     def data(self, v: Variant, cfg: RunConfig):
         args, d = self.args, v.data
-        n = min(len(self.prompts), d.parts * args.part_size)
         wait_for_parts(self.work / "datagen" / "greedy", d.parts, args, len(self.prompts), self.gen)
-        for a in d.answer_sets:
-            if a != "greedy":  # the same prompts, as many parts (none redone: committed ones are unpacked first)
-                done = generate(args, self.prompts[:n], self.model_path, self.work / "datagen" / a,
-                                args.temperature, self.clock, self.device)
-                if done < n:
-                    raise PipelineError(f"{a} answers: {done} of {n} prompts by the deadline")
+        short = self.other_answers(d)
+        if short:
+            raise PipelineError("; ".join(short))
         if d.turns == "all" and args.gen_turns != "all":
             raise PipelineError(f"{v.name} trains on every turn: generate them (--gen-turns all)")
         for a in d.answer_sets:
@@ -205,11 +213,8 @@ def run_ablations(runs: Runs, variants: list[Variant], until: float, out: Path, 
     ends; a row whose estimate ends past `until` is "not run" (unless already finished: it is read back)."""
     args, work, clock = runs.args, runs.work, runs.clock
     for v in variants:  # sampled answers first: the child writes the greedy parts meanwhile
-        for a in v.data.answer_sets:
-            if a != "greedy" and clock.allows("variant", v.cost, until):
-                n = min(len(runs.prompts), v.data.parts * args.part_size)
-                generate(args, runs.prompts[:n], runs.model_path, work / "datagen" / a, args.temperature, clock,
-                         runs.device)
+        if v.data.answers != "greedy" and clock.allows("variant", v.cost, until):
+            runs.other_answers(v.data)  # a set left short fails its row later (Runs.data)
     rows = [] if rows is None else rows
     for v in variants:
         base = next((r for r in rows if r["name"] == "base" and r.get("draft_vocab")), None)

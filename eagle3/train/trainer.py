@@ -87,8 +87,9 @@ def ttt_loss(drafter: Eagle3Drafter, batch: dict, embed: torch.Tensor, target_he
     """Weighted TTT loss and per-step stats [K, 3] = (masked loss sum, correct top-1, masked count).
 
     embed: the target's embedding [V, H]; target_head: the target's lm_head rows of the draft vocab [Vd, H].
-    counts [K]: the masked slots of each step over the whole micro-batch when this batch is one rank's share of
-    it (eagle3.train.distributed); None = this batch's own counts. `drafter` may be its DDP wrapper: it is called.
+    counts [K]: the masked slots of each step over the whole optimizer step (every micro-batch, every rank's
+    share: the training loop passes them, so the shares' losses sum to the step's mean); None = this batch's own
+    counts. `drafter` may be its DDP wrapper: it is called.
     """
     ids, mask, aux, final = batch["input_ids"], batch["loss_mask"], batch["aux"], batch["final"]
     B, T = ids.shape
