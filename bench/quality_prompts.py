@@ -129,7 +129,8 @@ def generate(args, prompts: list[list[str]], model_path: Path, root: Path, tempe
             set_attention(model, args.gen_attention)
         t = time.time()
         answer = functools.partial(sd.generate_answers, model, tok, [c for chunk in chunks for c in chunk],
-                                   args.new_tokens, batch_size=args.gen_batch, log_every=4, temperature=temperature,
+                                   args.new_tokens, batch_size=args.gen_batch, max_batch_tokens=args.gen_batch_tokens,
+                                   log_every=4, temperature=temperature,
                                    seed=1 + names[0][1] // args.part_size, max_context=args.all_turns_seq_len)
         try:
             samples = answer(engine=args.gen_engine, **GEN_CACHES[args.gen_cache])

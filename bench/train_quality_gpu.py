@@ -283,7 +283,10 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-prompt-tokens", type=int, default=768)
     ap.add_argument("--part-size", type=int, default=1000)
     ap.add_argument("--new-tokens", type=int, default=256)
-    ap.add_argument("--gen-batch", type=int, default=1000)
+    ap.add_argument("--gen-batch", type=int, default=1000, help="rows a generate call answers at most")
+    ap.add_argument("--gen-batch-tokens", type=int, default=1_000_000, help="and at most this many KV-cache tokens, "
+                    "rows x (longest context + --new-tokens): 1,000 rows of turn-2 contexts (up to 1,566 tokens) ran "
+                    "out of an H100's 80 GB; 0 = no limit")
     ap.add_argument("--gen-group", type=int, default=1, help="parts answered by one call, turn by turn together "
                     "(their later turns' few conversations batched together); a part is kept once its group ends")
     ap.add_argument("--temperature", type=float, default=0.8, help="the sampled-answers ablation")

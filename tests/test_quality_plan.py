@@ -10,6 +10,8 @@ from types import SimpleNamespace
 import pytest
 
 from bench.quality_plan import MARGIN, ORDER, main_variant, plan, recipe
+from eagle3.sections import TargetConfig
+from eagle3.train.config import TrainConfig
 
 
 def args(**kw):
@@ -55,24 +57,30 @@ def test_main_variant_is_the_base_run_on_every_part_with_the_recipe_on_top():
 
 
 def test_round2_studies_run_the_default_recipe_on_growing_data_and_name_their_comparisons():
-    from bench.quality_plan import DEFAULT_RECIPE, studies
+    from bench.quality_plan import ROUND2_RECIPE, studies
 
-    a = args(studies="data,epochs,fp8,selection", all_turns_seq_len=2048, study_data="first", eval_new_tokens=512)
+    a = args(studies="data,epochs,fp8,selection,goal", all_turns_seq_len=2048, study_data="first", eval_new_tokens=512)
     rows = {v.name: v for v in studies(a, total_parts=16)}
     assert list(rows) == ["data3k", "data7k", "data_first", "data_all", "data_x2", "epochs4", "epochs8", "epochs12",
-                          "epochs16", "fp8_first", "best_ckpt_first"]
+                          "epochs16", "fp8_first", "best_ckpt_first", "goal"]
     assert [rows[n].data.parts for n in ("data3k", "data7k", "data_first")] == [3, 7, 16]
     assert rows["data_all"].data.turns == "all" and rows["data_all"].data.storage == "float8_e4m3fn"
     assert rows["data_all"].data.max_seq_len == 2048 and rows["data_first"].data.max_seq_len == 512
     # every turn at 2,048 tokens: the 32 samples of a step as 2 micro-batches (batch 32 outgrew an 80 GB card)
-    assert rows["data_all"].train == {**DEFAULT_RECIPE, "batch_size": 16, "grad_accum": 2}
+    assert rows["data_all"].train == {**ROUND2_RECIPE, "batch_size": 16, "grad_accum": 2}
     # data_x2: every turn's data with a second, sampled answer set beside the greedy one
     assert rows["data_x2"].data == replace(rows["data_all"].data, answers="greedy+sampled")
     assert rows["data_x2"].data.answer_sets == ["greedy", "sampled"] and rows["data_x2"].train == rows["data_all"].train
+    # the goal row: data_x2's data at the trainer's default epochs (the sweep's choice), as a trainer built with no
+    # epochs runs them
+    shipped = TrainConfig(output_dir="o", target=TargetConfig(model_path="m")).epochs
+    assert rows["goal"].data == rows["data_x2"].data and rows["goal"].train == {**rows["data_x2"].train,
+                                                                                "epochs": shipped}
     # fp8 and the chosen checkpoint differ from data_first in their one knob; the epochs rows in epochs alone
     assert rows["fp8_first"].data == replace(rows["data_first"].data, storage="float8_e4m3fn")
-    assert rows["best_ckpt_first"].train == {**DEFAULT_RECIPE, "holdout_fraction": 0.02, "validate_every": 200}
-    assert rows["epochs12"].train == {**DEFAULT_RECIPE, "epochs": 12} and rows["epochs12"].data == rows["data_first"].data
+    assert rows["best_ckpt_first"].train == {**ROUND2_RECIPE, "holdout_fraction": 0.02, "validate_every": 200}
+    assert rows["epochs12"].train == {**ROUND2_RECIPE, "epochs": 12}
+    assert rows["epochs12"].data == rows["data_first"].data
     assert all(v.ks == [5, 7] and v.eval_new_tokens == 512 for v in rows.values())
     assert [v.name for v in studies(replace_ns(a, studies="fp8_first,data3k"), 16)] == ["fp8_first", "data3k"]
     with pytest.raises(SystemExit, match="unknown"):

@@ -104,6 +104,24 @@ def test_a_static_cache_is_sized_for_each_batch_not_the_longest_the_model_ever_s
     assert lengths[1] > 4 * lengths[0] and lengths[2] == lengths[0] and after == alone
 
 
+def test_batches_are_bounded_by_their_kv_tokens_and_answer_as_one_batch_does(smollm2_model, smollm2_tokenizer):
+    """max_batch_tokens: rows x (longest context + max_new_tokens) per batch (1,000 rows of turn-2 contexts ran out
+    of an H100's memory); greedy answers do not depend on how the rows were batched."""
+    lengths = [5, 40, 7, 12, 3, 100]
+    batches = sd.length_batches(lengths, batch_size=4, max_new_tokens=10, max_batch_tokens=60)
+    assert sorted(i for b in batches for i in b) == list(range(6))  # every row once, shortest first
+    assert [[lengths[i] for i in b] for b in batches] == [[3, 5, 7], [12], [40], [100]]  # 100 + 10 alone, over it
+    assert sd.length_batches(lengths, 4, 10) == [[4, 0, 2, 3], [1, 5]]  # no budget: rows only
+
+    tok = smollm2_tokenizer
+    prompts = [ONE_TURN, TWO_TURNS, "Write one sentence about the sea."]
+    one = sd.generate_answers(smollm2_model, tok, prompts, max_new_tokens=12, batch_size=8)
+    firsts = [len(sd.prompt_ids(tok, p if isinstance(p, str) else p[0])) for p in prompts]
+    assert len(sd.length_batches(firsts, 8, 12, max(firsts) + 12)) == 3  # turn 1: one row a batch
+    assert sd.generate_answers(smollm2_model, tok, prompts, max_new_tokens=12, batch_size=8,
+                               max_batch_tokens=max(firsts) + 12) == one
+
+
 def test_grouped_attention_gives_the_same_answers(smollm2_path, smollm2_tokenizer):
     """--gen-attention grouped (eagle3.grouped_sdpa: SmolLM2's 9 query heads folded onto its 3 kv heads, no
     repeated cache): the same greedy tokens as transformers' sdpa, left padding and every turn included, with
@@ -136,8 +154,8 @@ def test_parts_answered_in_one_group_are_the_parts_answered_apart(smollm2_path, 
     clock = Clock(time.time() + 600, tmp_path / "clock.json")
 
     def answered(root: Path, group: int) -> dict:
-        args = SimpleNamespace(part_size=1, new_tokens=8, gen_batch=4, all_turns_seq_len=0, gen_engine="generate",
-                               gen_cache="dynamic", gen_attention="sdpa", gen_group=group)
+        args = SimpleNamespace(part_size=1, new_tokens=8, gen_batch=4, gen_batch_tokens=0, all_turns_seq_len=0,
+                               gen_engine="generate", gen_cache="dynamic", gen_attention="sdpa", gen_group=group)
         assert qp.generate(args, prompts, smollm2_path, root, 0.0, clock, "cpu") == 3
         return {p.parent.name: p.read_text() for p in sorted(root.glob("P*/tokenized.jsonl"))}
 
@@ -172,8 +190,8 @@ def test_a_generation_option_that_fails_falls_back_to_hf_generate_and_answers_th
     from bench.quality_plan import Clock
 
     monkeypatch.setitem(qp.GEN_CACHES, "static-eager", {"cache_implementation": "static", "no_such_argument": 1})
-    args = SimpleNamespace(part_size=1, new_tokens=8, gen_batch=4, all_turns_seq_len=0, gen_engine="generate",
-                           gen_cache="static-eager", gen_attention="grouped", gen_group=1)
+    args = SimpleNamespace(part_size=1, new_tokens=8, gen_batch=4, gen_batch_tokens=0, all_turns_seq_len=0,
+                           gen_engine="generate", gen_cache="static-eager", gen_attention="grouped", gen_group=1)
     clock = Clock(time.time() + 600, tmp_path / "clock.json")
     with caplog.at_level(logging.INFO, logger="quality"):
         answered = qp.generate(args, [[ONE_TURN], TWO_TURNS], smollm2_path, tmp_path / "greedy", 0.0, clock, "cpu")

@@ -171,6 +171,32 @@ def test_grad_accum_trains_what_one_batch_of_its_micro_batches_trains(even_shard
     assert_same_weights(two["drafter"], one["drafter"])
 
 
+def test_long_samples_run_in_parts_that_train_what_the_whole_micro_batch_trains(shards, one_process, tmp_path):
+    """micro_batch_tokens 1: every sample its own forward and backward (the rows a part takes are bounded by its
+    padded tokens); the step's loss is still the mean over all its slots, so the run is one_process's (batch 4 in
+    one forward). Two ranks under FSDP2, where every forward gathers the parameters from both: rank 1's share of a
+    chunk's last micro-batch (one sample) is empty, yet it runs as many parts as rank 0 (a masked sample)."""
+    from eagle3.train.batches import part_rows
+    from eagle3.train.distributed import Ranks
+    from eagle3.train.trainer import read_metrics, train
+
+    samples = [{"input_ids": [0] * n, "loss_mask": torch.ones(n)} for n in (30, 90, 50, 70, 10)]
+    assert part_rows(samples, 256, 3, 512, 64) == 2 and part_rows(samples, 256, 3, 512, 1) == 2  # 128 / 90 long
+    assert part_rows(samples, 1, 3, 512, 1) == 1 and part_rows(samples, 0, 3, 512, 1) == 3  # at least 1; no limit
+    parts = [Ranks(r, 2).share_in_parts(samples, 2) for r in (0, 1)]
+    assert [[len(s["input_ids"]) for s in p] for p in parts[0]] == [[30, 50], [10]]
+    assert [[len(s["input_ids"]) for s in p] for p in parts[1]] == [[90, 70], [30]]
+    assert not parts[1][1][0]["loss_mask"].any()  # rank 1's last part: a masked sample, no loss
+
+    ref, ref_drafter = one_process
+    res = train(config(shards, tmp_path / "n1", micro_batch_tokens=1))
+    assert_same_run(read_metrics(tmp_path / "n1" / "metrics.jsonl"), ref)
+    assert_same_weights(res["drafter"], ref_drafter)
+    res = train(config(shards, tmp_path / "fsdp", micro_batch_tokens=1, num_gpus=2, parallel="fsdp"))
+    assert_same_run(read_metrics(tmp_path / "fsdp" / "metrics.jsonl"), ref)
+    assert_same_weights(res["drafter"], ref_drafter)
+
+
 def test_a_micro_batch_the_gpu_cannot_hold_names_the_knobs_that_fit_it(shards, tmp_path):
     from eagle3.errors import DeviceOOMError, failure_kind
     from eagle3.train.batches import out_of_memory
@@ -181,5 +207,5 @@ def test_a_micro_batch_the_gpu_cannot_hold_names_the_knobs_that_fit_it(shards, t
         with out_of_memory(cfg, batch, 28487):
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 6.95 GiB.")
     msg = str(got.value)
-    assert "32 samples x 2048 tokens" in msg and "7.5 GB" in msg and "batch_size 32 x grad_accum 1" in msg
-    assert "max_seq_len (2048)" in msg and failure_kind(got.value) == "out of memory"
+    assert "32 samples x 2048 tokens" in msg and "7.5 GB" in msg and "micro_batch_tokens (32768 now" in msg
+    assert "max_seq_len (2048)" in msg and failure_kind(got.value) == "out of memory" and "one sample" not in msg

@@ -90,7 +90,8 @@ class BatchOrder:
 @dataclass
 class StepInput:
     """One optimizer step's input: its micro-batches' samples (every rank's) and, collated, this rank's share of
-    each; `epoch` and `batch_pos` say where the order stands after the step (a checkpoint there resumes there)."""
+    each in its parts (a forward and backward each); `epoch` and `batch_pos` say where the order stands after the
+    step (a checkpoint there resumes there)."""
 
     samples: list[list[dict]]
     batches: list[dict]
@@ -99,11 +100,13 @@ class StepInput:
     batch_pos: int
 
 
-def step_inputs(order: BatchOrder, epoch: int, skip: int, grad_accum: int, collated: Callable[[list[dict]], dict],
+def step_inputs(order: BatchOrder, epoch: int, skip: int, grad_accum: int,
+                collated: Callable[[list[dict]], list[dict]],
                 counted: Callable[[list[dict]], torch.Tensor]) -> Iterator[StepInput]:
     """The steps' inputs from (epoch, skip) on, grad_accum micro-batches each (a step may span two epochs);
-    `collated` batches one micro-batch (this rank's share, padded, pinned), `counted` counts the whole step's masked
-    slots. Pure in its arguments, so a thread can run it ahead of the training loop (eagle3.prefetch)."""
+    `collated` batches one micro-batch (this rank's share in its parts, padded, pinned), `counted` counts the whole
+    step's masked slots. Pure in its arguments, so a thread can run it ahead of the training loop
+    (eagle3.prefetch)."""
     def micro_batches():
         e, s = epoch, skip
         while True:
@@ -115,7 +118,7 @@ def step_inputs(order: BatchOrder, epoch: int, skip: int, grad_accum: int, colla
     while True:
         got = [next(stream) for _ in range(grad_accum)]
         samples = [g[2] for g in got]
-        yield StepInput(samples, [collated(m) for m in samples], counted([s for m in samples for s in m]),
+        yield StepInput(samples, [b for m in samples for b in collated(m)], counted([s for m in samples for s in m]),
                         got[-1][0], got[-1][1])
 
 
@@ -163,6 +166,17 @@ def bucket_length(n: int, max_len: int, pad_multiple: int) -> int:
     return min(T, max_len)
 
 
+def part_rows(samples: list[dict], tokens: int, share_rows: int, max_len: int, pad_multiple: int) -> int:
+    """Rows a forward of this micro-batch takes: at most `tokens` rows x the padded length of its longest sample
+    (at least 1, at most a rank's share_rows; tokens 0 = share_rows). Counted over the whole micro-batch, so
+    every rank splits its share alike (Ranks.share_in_parts); its float32 [rows, tokens, draft vocab] loss terms
+    are what outgrow a GPU first."""
+    if not tokens:
+        return share_rows
+    longest = bucket_length(max(len(s["input_ids"]) for s in samples), max_len, pad_multiple)
+    return min(share_rows, max(1, tokens // longest))
+
+
 def collate(samples: list[dict], max_len: int, pad_multiple: int = 1, rows: int = 0) -> dict:
     """Right-pad samples (truncated to max_len) into a batch of `rows` rows (0 = as many as samples) and
     bucket_length(...) columns. Padding has loss_mask 0 and sits after every real token (or fills whole
@@ -206,7 +220,7 @@ def to_device(batch: dict, device: torch.device) -> dict:
 
 @contextlib.contextmanager
 def out_of_memory(cfg, batch: dict, draft_vocab_size: int):
-    """A micro-batch the GPU cannot hold, said with the knobs that fit it: the loss holds several [rows, tokens,
+    """A forward the GPU cannot hold, said with the knobs that fit it: the loss holds several [rows, tokens,
     draft vocab] float32 terms, which outgrow the card first. Retried, as extraction's OOM in the forward is
     (another process may have held the memory); a retry resumes at the last checkpoint."""
     try:
@@ -214,9 +228,10 @@ def out_of_memory(cfg, batch: dict, draft_vocab_size: int):
     except torch.OutOfMemoryError as e:
         rows, tokens = batch["input_ids"].shape
         term = rows * tokens * draft_vocab_size * 4 / 1e9
+        one = " (one sample already: only a lower max_seq_len fits it)" if rows == 1 else ""
         raise DeviceOOMError(
-            f"train: out of GPU memory on a micro-batch of {rows} samples x {tokens} tokens (draft vocab "
-            f"{draft_vocab_size}: each float32 term of the loss is {term:.1f} GB): lower batch_size and raise "
-            f"grad_accum by the same factor (batch_size {cfg.batch_size} x grad_accum {cfg.grad_accum} now; a step "
-            f"trains the same samples either way), or lower max_seq_len ({cfg.max_seq_len}); the checkpoints "
-            f"written so far are kept. ({str(e).splitlines()[0][:200]})") from None
+            f"train: out of GPU memory on a forward of {rows} samples x {tokens} tokens (draft vocab "
+            f"{draft_vocab_size}: each float32 term of the loss is {term:.1f} GB){one}: lower micro_batch_tokens "
+            f"({cfg.micro_batch_tokens} now, rows x padded tokens a forward takes; the same samples and loss, so "
+            f"the run resumes from its checkpoints), or max_seq_len ({cfg.max_seq_len}); the checkpoints written "
+            f"so far are kept. ({str(e).splitlines()[0][:200]})") from None

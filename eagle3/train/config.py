@@ -20,7 +20,8 @@ TRAINING = "Training"
 # Params that change how a run goes, not what it produces: a finished run with other values is reused.
 # num_gpus and parallel too: the global batch and its loss are the same at any N, so a run resumes at another N.
 _NOT_IN_FINGERPRINT = ("device", "log_every", "log_every_s", "checkpoint_every", "keep_checkpoints", "compile",
-                       "mlflow_tracking_uri", "mlflow_experiment", "num_gpus", "parallel", "dist_timeout_s")
+                       "mlflow_tracking_uri", "mlflow_experiment", "num_gpus", "parallel", "dist_timeout_s",
+                       "micro_batch_tokens")
 PARALLEL_CHOICES = ("ddp", "fsdp")
 
 
@@ -48,7 +49,16 @@ class TrainConfig:
                            help="Samples per micro-batch (all ranks together); lower it and raise grad_accum when a "
                                 "large drafter runs out of GPU memory.")
     grad_accum: int = knob(1, min=1, help="Micro-batches per optimizer step.")
-    epochs: int = knob(6, min=1, param="epochs", section=TRAINING, help="Passes over the data.")
+    # the loss's float32 [rows, tokens, draft vocab] terms outgrow a GPU first: 32 x 2,048 at draft vocab 28,487
+    # (7.5 GB a term) ran out of an H100's 80 GB, 16 x 2,048 fitted (2026-12-06)
+    micro_batch_tokens: int = knob(32768, min=0,
+                                   help="Most rows x padded tokens one forward and backward takes: a micro-batch of "
+                                        "longer samples runs in parts of fewer rows, each rank the same number of "
+                                        "parts (the same samples and the same loss, so a run resumes across a "
+                                        "change of it). 0 = no limit.")
+    epochs: int = knob(12, min=1, param="epochs", section=TRAINING,
+                       help="Passes over the data (12: the best of 4, 6, 8 and 12 on 14.6K conversations; far "
+                            "more data wants fewer: docs/train.md, \"Defaults\").")
     max_steps: int = knob(0, min=0, param="max_steps", section=TRAINING,
                           help="Optimizer steps; 0 = run the epochs.")
     checkpoint_every: int = knob(100, min=1, help="Optimizer steps between checkpoints (a killed run resumes there).")

@@ -63,12 +63,20 @@ class Ranks:
         """This rank's samples of a micro-batch. A rank left without one (a chunk's last micro-batch can be smaller
         than N) takes the first sample with its loss mask cleared: it contributes nothing, yet joins the
         gradient all-reduce every rank must reach."""
-        mine = samples[self.rank::self.world]
-        if mine:
-            return mine
-        s = dict(samples[0])
-        s["loss_mask"] = torch.zeros_like(s["loss_mask"])
-        return [s]
+        return samples[self.rank::self.world] or [without_loss(samples[0])]
+
+    def share_in_parts(self, samples: list[dict], rows: int) -> list[list[dict]]:
+        """This rank's share of a micro-batch in parts of at most `rows` samples (eagle3.train.batches.part_rows),
+        as many parts on every rank: ceil(the largest share / rows). Under FSDP2 every forward gathers the
+        parameters from all ranks, so no rank may run one fewer; a part left empty takes a masked sample, as
+        `share` does."""
+        mine, largest = self.share(samples), -(-len(samples) // self.world)
+        return [mine[i:i + rows] or [without_loss(samples[0])] for i in range(0, largest, rows)]
+
+
+def without_loss(sample: dict) -> dict:
+    """The sample with its loss mask cleared: it runs the forward and adds nothing to the loss."""
+    return {**sample, "loss_mask": torch.zeros_like(sample["loss_mask"])}
 
 
 def masked_counts(samples: list[dict], max_seq_len: int, ttt_steps: int) -> torch.Tensor:

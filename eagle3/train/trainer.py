@@ -32,7 +32,7 @@ from eagle3.io import read_json
 from eagle3.knobs import build
 from eagle3.models import model_info
 from eagle3.prefetch import prefetched
-from eagle3.train.batches import (BatchOrder, collate, count_truncation, held_out_samples, out_of_memory,
+from eagle3.train.batches import (BatchOrder, collate, count_truncation, held_out_samples, out_of_memory, part_rows,
                                    step_inputs, to_device)
 from eagle3.train.checkpoint import Checkpoints
 from eagle3.train.config import TrainConfig
@@ -225,11 +225,12 @@ def train(cfg: TrainConfig) -> dict:
     on_gpu = device.type == "cuda"
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if on_gpu else torch.autocast("cpu", enabled=False)
     loss_fn, compiled = loss_function(cfg.compile and on_gpu)
-    # Compiled, every micro-batch has batch_size rows (a rank's share: ceil(batch_size / N)) and a power-of-two
+    # Compiled, every forward has part_rows rows (a rank's share, ceil(batch_size / N), or fewer where
+    # micro_batch_tokens parts a micro-batch of long samples: a function of the padded length) and a power-of-two
     # bucketed length: static shapes, so a few graphs are built once. Eager, batches stay as long as their longest
     # sample (chunks hold samples of similar length, so that is little padding).
     share_rows = -(-cfg.batch_size // ranks.world)
-    pad_multiple, batch_rows = (cfg.pad_multiple, share_rows) if compiled else (1, 0)
+    pad_multiple = cfg.pad_multiple if compiled else 1
     # data_s: host time waiting for the next step's batches (a thread batches them ahead, eagle3.prefetch) and
     # copying them to the device: the share of the wall time a faster input path could still win. The loss and
     # metrics stay on the device and are read only where they are logged, so the host queues the next micro-batch
@@ -241,9 +242,10 @@ def train(cfg: TrainConfig) -> dict:
     def pinned(t: torch.Tensor) -> torch.Tensor:  # copied to the GPU without waiting for it (non_blocking)
         return t.pin_memory() if on_gpu else t
 
-    def collated(samples: list[dict]) -> dict:
-        return {k: pinned(v) for k, v in collate(ranks.share(samples), cfg.max_seq_len, pad_multiple,
-                                                 batch_rows).items()}
+    def collated(samples: list[dict]) -> list[dict]:
+        rows = part_rows(samples, cfg.micro_batch_tokens, share_rows, cfg.max_seq_len, pad_multiple)
+        return [{k: pinned(v) for k, v in collate(part, cfg.max_seq_len, pad_multiple, rows if compiled else 0).items()}
+                for part in ranks.share_in_parts(samples, rows)]
 
     def counted(samples: list[dict]) -> torch.Tensor:
         return pinned(masked_counts(samples, cfg.max_seq_len, cfg.ttt_steps))
@@ -273,8 +275,9 @@ def train(cfg: TrainConfig) -> dict:
                 t_data = time.perf_counter()
                 batch = to_device(host_batch, device)
                 data_s += time.perf_counter() - t_data
-                # DDP all-reduces gradients at the last micro-batch of a step only
-                with grad_sync(model, ranks, last=micro == cfg.grad_accum - 1), out_of_memory(cfg, batch, vocab.size):
+                # DDP all-reduces gradients at the last forward of a step only
+                last = micro == len(step_in.batches) - 1
+                with grad_sync(model, ranks, last=last), out_of_memory(cfg, batch, vocab.size):
                     with autocast:
                         loss, stats = loss_fn(model, batch, embed, target_head, cfg.ttt_steps, cfg.step_decay,
                                               counts)

@@ -127,16 +127,36 @@ def size_static_cache_for_this_call(model, generate_kwargs: dict) -> None:
         model._previous_max_cache_length = -1
 
 
+def length_batches(lengths: list[int], batch_size: int, max_new_tokens: int,
+                   max_batch_tokens: int = 0) -> list[list[int]]:
+    """Indices into `lengths`, shortest first, in batches of at most batch_size rows whose KV cache, rows x (the
+    longest context + max_new_tokens), stays within max_batch_tokens (0 = no limit; a row longer than it goes
+    alone). 1,000 rows of every-turn contexts (turn 2: up to 1,566 tokens) ran out of an H100's 80 GB (2026-12-06):
+    the row count alone does not bound the memory once contexts grow turn by turn."""
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    batches: list[list[int]] = []
+    for i in order:
+        rows = batches[-1] if batches else None
+        if rows and len(rows) < batch_size and \
+                not (max_batch_tokens and (len(rows) + 1) * (lengths[i] + max_new_tokens) > max_batch_tokens):
+            rows.append(i)
+        else:
+            batches.append([i])
+    return batches
+
+
 @torch.no_grad()
 def generate_batch(model, contexts: list[list[int]], max_new_tokens: int, eos: int, batch_size: int,
-                   temperature: float, seed: int, log_every: int = 1, **generate_kwargs) -> list[list[int]]:
+                   temperature: float, seed: int, log_every: int = 1, max_batch_tokens: int = 0,
+                   **generate_kwargs) -> list[list[int]]:
     """One answer per context (token ids, with eos when it ended), in the order of `contexts`. Contexts are
-    batched by length (less left padding); `generate_kwargs` go to HF generate (e.g. cache_implementation)."""
-    order = sorted(range(len(contexts)), key=lambda i: len(contexts[i]))
+    batched by length (less left padding) within batch_size rows and max_batch_tokens (length_batches);
+    `generate_kwargs` go to HF generate (e.g. cache_implementation)."""
     answers: list[list[int] | None] = [None] * len(contexts)
     sampling = sampling_kwargs(temperature)
-    for n, b in enumerate(range(0, len(order), batch_size)):
-        rows = order[b:b + batch_size]
+    batches = length_batches([len(c) for c in contexts], batch_size, max_new_tokens, max_batch_tokens)
+    done = 0
+    for n, rows in enumerate(batches):
         width = max(len(contexts[i]) for i in rows)
         x = torch.tensor([[eos] * (width - len(contexts[i])) + contexts[i] for i in rows], device=model.device)
         attn = torch.tensor([[0] * (width - len(contexts[i])) + [1] * len(contexts[i]) for i in rows],
@@ -147,8 +167,9 @@ def generate_batch(model, contexts: list[list[int]], max_new_tokens: int, eos: i
                              eos_token_id=eos, **sampling, **generate_kwargs)
         for i, row in zip(rows, out[:, width:].tolist()):
             answers[i] = row[: row.index(eos) + 1] if eos in row else row
-        if (n + 1) % log_every == 0 or b + batch_size >= len(order):
-            log.info("generated answers for %d/%d contexts", min(b + batch_size, len(order)), len(contexts))
+        done += len(rows)
+        if (n + 1) % log_every == 0 or n + 1 == len(batches):
+            log.info("generated answers for %d/%d contexts", done, len(contexts))
     return answers
 
 
@@ -177,7 +198,7 @@ def generate_continuous(model, contexts: list[list[int]], max_new_tokens: int, e
 
 def generate_answers(model, tokenizer, prompts: list[str | list[str]], max_new_tokens: int, batch_size: int = 32,
                      log_every: int = 1, temperature: float = 0.0, seed: int = 0, max_context: int = 0,
-                     engine: str = "generate", **generate_kwargs) -> list[dict]:
+                     engine: str = "generate", max_batch_tokens: int = 0, **generate_kwargs) -> list[dict]:
     """The target's answers as samples {input_ids, loss_mask, turns}: prompt and template tokens masked 0, each
     answer (with its eos) 1. Greedy, or sampled at `temperature` > 0 (seeded: the same call gives the same
     answers on one machine). Runs on the model's device; the samples come back in the order of `prompts`.
@@ -188,8 +209,8 @@ def generate_answers(model, tokenizer, prompts: list[str | list[str]], max_new_t
     turn r are generated together, batched by length. A conversation stops before a turn whose context already
     has `max_context` tokens (0 = no limit; training cuts samples there anyway) and after an answer that hit
     max_new_tokens (a cut answer is no context for the next turn); `turns` counts the turns answered.
-    `engine`: "generate" (HF generate in batches of batch_size, generate_batch) or "continuous"
-    (generate_continuous)."""
+    `engine`: "generate" (HF generate in batches of batch_size rows and max_batch_tokens, generate_batch) or
+    "continuous" (generate_continuous)."""
     if engine not in ("generate", "continuous"):
         raise ValueError(f"engine={engine!r}: use 'generate' or 'continuous'")
     eos = tokenizer.eos_token_id
@@ -220,7 +241,7 @@ def generate_answers(model, tokenizer, prompts: list[str | list[str]], max_new_t
             answers = generate_continuous(model, contexts, max_new_tokens, eos, temperature, seed + 7919 * r)
         else:
             answers = generate_batch(model, contexts, max_new_tokens, eos, batch_size, temperature, seed + 7919 * r,
-                                     log_every, **generate_kwargs)
+                                     log_every, max_batch_tokens, **generate_kwargs)
         for i, context, answer in zip(todo, contexts, answers):
             s = samples[i]
             s["loss_mask"] += [0] * (len(context) - len(s["input_ids"])) + [1] * len(answer)
