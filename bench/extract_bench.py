@@ -68,12 +68,12 @@ from eagle3.extract.plan import plan_shards  # noqa: E402
 from eagle3.sections import TargetConfig  # noqa: E402
 from tests.support.synthetic import write_merged_dataset  # noqa: E402
 
-SMOKE = dict(models="tiny,tiny-moe,tiny-mla", device="cpu", dtype="float32", tokens="3000,1500,1500", min_len=64,
-             max_len=400, budget="1024,1024,1024", writers="2", chunk_mb="1", disk_gb=0.02, naive_seconds=1.0,
+SMOKE = dict(models="tiny,tiny-moe,tiny-mla", device="cpu", dtype="float32", tokens="3000,900,900", min_len=64,
+             max_len=400, budget="1024,512,512", writers="2", chunk_mb="1", disk_gb=0.02, naive_seconds=1.0,
              matmul_n=256, fp8="tiny", fp8_weights="tiny,tiny-moe", fp8_blocks="tiny-moe", rounds=1,
              round_probe_gb=0.02, fresh_rounds=True, pad_multiples="1,auto", skew=1.0, variant_models="tiny-moe",
              profile_batches=3,
-             variants="batched:experts=batched_mm;fused:experts=triton_fused;budget512:budget=512;bad:experts=nope")
+             variants="batched:experts=batched_mm;fused:experts=triton_fused;budget256:budget=256;bad:experts=nope")
 
 
 @dataclass
