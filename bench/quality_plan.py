@@ -164,7 +164,7 @@ def studies(args, total_parts: int) -> list[Variant]:
                                 "selection", first, 1.0, holdout_fraction=0.02, validate_every=200)
     epochs = next(f.default for f in fields(TrainConfig) if f.name == "epochs")  # the trainer's, as shipped
     rows["goal"] = v("goal", f"every turn answered twice (greedy + sampled), {epochs} epochs", "goal",
-                     rows["data_x2"].data, 6.0 * epochs / 6, epochs=epochs, **halves)
+                     rows["data_x2"].data, rows["data_x2"].cost * epochs / 6, epochs=epochs, **halves)
     wanted = [n for w in args.studies.split(",") if w for n in STUDIES.get(w, [w])] if args.studies != "none" else []
     unknown = [w for w in wanted if w not in rows]
     if unknown:

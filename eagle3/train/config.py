@@ -46,8 +46,8 @@ class TrainConfig:
     weight_decay: float = knob(0.0, min=0, help="AdamW weight decay.")
     grad_clip: float = knob(0.5, gt=0, help="Gradient norm clip.")
     batch_size: int = knob(32, min=1, param="batch_size", section=TRAINING,
-                           help="Samples per micro-batch (all ranks together); lower it and raise grad_accum when a "
-                                "large drafter runs out of GPU memory.")
+                           help="Samples per micro-batch (all ranks together); a forward takes at most "
+                                "micro_batch_tokens of them, so long samples need no smaller batch.")
     grad_accum: int = knob(1, min=1, help="Micro-batches per optimizer step.")
     # the loss's float32 [rows, tokens, draft vocab] terms outgrow a GPU first: 32 x 2,048 at draft vocab 28,487
     # (7.5 GB a term) ran out of an H100's 80 GB, 16 x 2,048 fitted (2026-12-06)
