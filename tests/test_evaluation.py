@@ -145,6 +145,48 @@ def test_turn_two_is_asked_after_the_targets_own_greedy_answer(trained, smollm2_
     assert t2.greedy == dec.greedy([t2.ids], 10)[0]
 
 
+def test_decoding_out_of_memory_names_the_params_that_fit_it():
+    import torch
+
+    from eagle3.errors import DeviceOOMError, retried
+    from eagle3.evaluate.config import EvalConfig
+    from eagle3.evaluate.run import out_of_memory
+
+    cfg = phase(EvalConfig, export_dir="x", model_path="y", output_dir="z", prompts=["hi"], batch_tokens=4096,
+                max_new_tokens=512)
+    with pytest.raises(DeviceOOMError, match=r"lower eval_batch_tokens \(4096 now.*or eval_max_new_tokens \(512\)"
+                                             r"\. \(CUDA out of memory\. Tried") as e:
+        with out_of_memory(cfg):
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 53.13 GiB.\nmore")
+    assert retried(e.value)  # another process may have held the memory
+
+
+@pytest.mark.slow
+def test_turns_past_the_targets_context_end_their_conversation(trained, smollm2_model, smollm2_tokenizer):
+    """A turn whose prompt + max_new_tokens passes the target's context is not asked, nor any later turn of its
+    conversation; the log counts them and names the first; nothing that fits is left out."""
+    from eagle3.evaluate.evaluation import build_turn_prompts
+    from eagle3.evaluate.speculative import SequentialDecoder
+    from eagle3.train.export import load_exported
+
+    drafter, vocab, config = load_exported(trained[1]["export_dir"])
+    dec = SequentialDecoder(smollm2_model, drafter, vocab, config["eagle3_pipeline"]["capture_layers"], EOS)
+    short = EvalConversation(["Name a fruit.", "And a vegetable?", "And a tree?"], question_id="short")
+    long = EvalConversation(["Describe, in detail, every fruit you know. " * 4, "Thanks."], question_id="long")
+    n = 6
+    first = len(build_turn_prompts(smollm2_tokenizer, dec, [short], n)[0].ids)
+    with log_lines("eagle3.evaluate") as lines:
+        turns = build_turn_prompts(smollm2_tokenizer, dec, [short, long], n, max_context=first + n)
+    assert [(t.conv, t.turn) for t in turns] == [(0, 1)]  # turn 2 of `short` and all of `long` do not fit
+    warned = [ln for ln in lines if "not asked" in ln]
+    assert len(warned) == 1 and warned[0].startswith("4 turns of 2 conversations not asked"), lines
+    assert "conversation long turn 1" in warned[0] and f"context ({first + n} tokens)" in warned[0]
+    assert len(build_turn_prompts(smollm2_tokenizer, dec, [short, long], n, max_context=8192)) == 5
+    with pytest.raises(ConfigError, match=r"no turn fits the target's context \(10 tokens\) with "
+                                          r"eval_max_new_tokens 6"):
+        build_turn_prompts(smollm2_tokenizer, dec, [short], n, max_context=10)
+
+
 @pytest.mark.slow
 def test_mtbench_evaluation_of_two_questions_is_lossless_at_each_k(trained, smollm2_path, tmp_path):
     from eagle3.evaluate.config import EvalConfig
@@ -158,6 +200,7 @@ def test_mtbench_evaluation_of_two_questions_is_lossless_at_each_k(trained, smol
         warnings.simplefilter("always")
         r = evaluate_phase(phase(EvalConfig, **params))
     assert r["identical_to_greedy"] is True and r["conversations"] == 2 and r["answers"] == 4
+    assert r["turns_past_context"] == 0
     # the task log: progress at each k, then the result table; no library deprecation notice (the KV cache goes
     # by the name the installed transformers takes: eagle3.models.kv_cache_kwarg)
     # the trained drafter at each k, then the random floor at the first k
@@ -179,9 +222,10 @@ def test_mtbench_evaluation_of_two_questions_is_lossless_at_each_k(trained, smol
                                            for a in res["per_answer"]) / 4
     assert r["results"]["random_init"]["answers"] == 2  # floor_max_prompts: the first 2 answers
     assert (tmp_path / "eval" / "acceptance.png").read_bytes()[:4] == b"\x89PNG"
-    # the operator: same params -> the finished report is reused; it returns a small summary
+    # the operator: same params -> the finished report is reused (the decoder's batches are how, not what);
+    # it returns a small summary
     t = time.time()
-    composed = {**{k: v for k, v in params.items() if k != "model_path"},
+    composed = {**{k: v for k, v in params.items() if k != "model_path"}, "batch_tokens": 64,
                 "target": {"model_path": params["model_path"]}}  # the run config's shape: the target section
     summary = EvaluateDrafterOperator(task_id="evaluate", config=composed).execute({})
     assert time.time() - t < 5 and summary["tau"] == {k: round(v, 3) for k, v in r["tau"].items()}

@@ -48,13 +48,16 @@ def test_batched_speculation_is_token_identical_to_hf_greedy(smollm2_model, draf
     n = 20
     greedy = [one.greedy(p, n) for p in prompts]
     assert len(greedy[3]) < n and greedy[3][-1] == EOS and all(len(g) == n for g in greedy[:3])
-    for k, batch_size in ((3, 8), (1, 8), (4, 3)):  # batch_size 3: two batches, order restored
-        dec = BatchedSpeculativeDecoder(smollm2_model, d, vocab, CAPTURE, EOS, batch_size=batch_size)
+    budget = 2 * (max(map(len, prompts)) + n)
+    # batch_size 3, or a token budget of two prompts: two batches, order restored
+    for k, batch_size, batch_tokens in ((3, 8, 1 << 17), (1, 8, 1 << 17), (4, 3, 1 << 17), (3, 8, budget)):
+        dec = BatchedSpeculativeDecoder(smollm2_model, d, vocab, CAPTURE, EOS, batch_size=batch_size,
+                                        batch_tokens=batch_tokens)
         out = dec.generate(prompts, n, k)
         assert [tokens for tokens, _ in out] == greedy, f"k={k}"
         hist = [h for _, h in out]
         assert all(sum(a + 1 for a in h) + 1 >= len(g) for h, g in zip(hist, greedy))  # rounds made every token
-        if k == 3:
+        if k == 3 and batch_tokens > budget:
             seq = [one.generate(p, n, k)[1].history for p in prompts[:2]]
             assert hist[:2] == seq  # the same acceptance per round as the one-prompt decoder
             assert len({tuple(h) for h in hist}) > 1 and max(max(h) for h in hist) >= 1  # rows accept differently
@@ -105,6 +108,16 @@ def test_batched_decoder_greedy_is_verified_and_falls_back_to_hf_generate(smollm
     assert broken.greedy(prompts[:2], n) == hf == ref
     assert broken.check["not_greedy"] == 2
     assert all(a.tokens != r for a, r in zip(broken.speculate(prompts[:2], n, 3), ref))
+
+
+def test_length_batches_cut_by_rows_and_by_rows_times_the_longest():
+    from eagle3.evaluate.spec_batch import length_batches
+
+    lengths = [50, 10, 30, 10, 200, 20]
+    assert length_batches(lengths, 1000) == [[1, 3, 5, 2, 0], [4]]  # shortest first; 6 x 200 passes 1000
+    assert length_batches(lengths, 100) == [[1, 3, 5], [2, 0], [4]]  # 3 x 20 fits, 4 x 30 does not
+    assert length_batches(lengths, 10 ** 6, max_rows=4) == [[1, 3, 5, 2], [0, 4]]
+    assert length_batches([], 100) == []
 
 
 def test_pack_index_keeps_valid_slots_in_order_right_aligned():

@@ -50,7 +50,7 @@ def test_bad_train_and_eval_params_are_config_errors_naming_them(tmp_path):
     with pytest.raises(ConfigError, match=r"unknown param\(s\) \['k'\]"):  # the single k became ks
         build(EvalConfig, {**eval_required, "k": 5}, "eval")
     names = set(form_params(EvalConfig))
-    assert names == {"eval_prompts", "eval_ks", "eval_max_new_tokens", "eval_max_prompts"}
+    assert names == {"eval_prompts", "eval_ks", "eval_max_new_tokens", "eval_max_prompts", "eval_batch_tokens"}
     assert form_params(EvalConfig)["eval_ks"]["default"] == [5, 7]
     assert "max_seq_len" not in form_params(TrainConfig)  # the run's data section holds it
 

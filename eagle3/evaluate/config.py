@@ -31,6 +31,10 @@ class EvalConfig:
     decoder: str = knob("batched", choices=("batched", "sequential"),
                         help="Speculative decoder (eagle3.evaluate.evaluation.DECODERS): batched (many answers at "
                              "once, lossless by a teacher-forced check); sequential (one at a time, for the bench).")
+    batch_tokens: int = knob(131072, min=1, param="eval_batch_tokens", section=EVALUATION,
+                             help="The batched decoder's batches: prompts of similar length while rows x (longest "
+                                  "prompt + eval_max_new_tokens) stays within it (one prompt at least). Lower it "
+                                  "if evaluation runs out of GPU memory; how, not what: a re-run keeps the report.")
     random_floor: bool = knob(True, help="Also evaluate a randomly initialised drafter of the same shape.")
     floor_max_prompts: int = knob(0, min=0, help="The random floor (at the first k) on the first N answers only "
                                                  "(0 = all): slow.")

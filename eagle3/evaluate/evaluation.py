@@ -8,7 +8,8 @@ a batched decoder gets them all at once. An answer must equal the greedy one tok
 A decoder is anything with
     speculate(prompts: list[list[int]], max_new_tokens, k) -> list[Answer]   (eagle3.evaluate.speculative.Answer)
     greedy(prompts: list[list[int]], max_new_tokens) -> list[list[int]]      (the target's greedy answers)
-built as DECODERS[name](target, drafter, vocab, capture_layers, eos_id); EvalConfig.decoder picks it.
+built as DECODERS[name](target, drafter, vocab, capture_layers, eos_id, batch_tokens=...); EvalConfig.decoder picks
+it.
 
 Figures per k: tau over whole answers (tokens per target forward), tau over the answers that end with eos
 (a small model's greedy loops up to max_new_tokens are easy to draft and inflate tau), the share of
@@ -37,11 +38,12 @@ DECODERS = {"batched": "eagle3.evaluate.spec_batch:BatchedDecoder",
             "sequential": "eagle3.evaluate.speculative:SequentialDecoder"}
 
 
-def make_decoder(name: str, target, drafter, vocab, capture_layers, eos_id):
+def make_decoder(name: str, target, drafter, vocab, capture_layers, eos_id, batch_tokens: int):
     if name not in DECODERS:
         raise ConfigError(f"eval param decoder={name!r}: use one of {sorted(DECODERS)}")
     module, cls = DECODERS[name].split(":")
-    return getattr(importlib.import_module(module), cls)(target, drafter, vocab, capture_layers, eos_id)
+    return getattr(importlib.import_module(module), cls)(target, drafter, vocab, capture_layers, eos_id,
+                                                         batch_tokens=batch_tokens)
 
 
 @dataclass
@@ -120,17 +122,36 @@ def _messages(conv: EvalConversation, answers: list[str], turn: int) -> list[dic
     return msgs
 
 
-def build_turn_prompts(tokenizer, decoder, convs: list[EvalConversation], max_new_tokens: int) -> list[TurnPrompt]:
-    """Every turn's prompt with the target's greedy answers to the earlier turns, and its own greedy answer."""
+def build_turn_prompts(tokenizer, decoder, convs: list[EvalConversation], max_new_tokens: int,
+                       max_context: int = 0) -> list[TurnPrompt]:
+    """Every turn's prompt with the target's greedy answers to the earlier turns, and its own greedy answer.
+    A turn whose prompt + max_new_tokens passes `max_context` (the target's context; 0 = none) is not asked,
+    nor any later turn of its conversation: past its context the target's answers mean nothing."""
     texts: list[list[str]] = [[] for _ in convs]
     out: list[TurnPrompt] = []
+    ended: dict[int, tuple[int, int]] = {}  # conversation -> (the turn not asked, its prompt's tokens)
     for turn in range(1, max(len(c.user_turns) for c in convs) + 1):
-        live = [i for i, c in enumerate(convs) if len(c.user_turns) >= turn]
+        live = [i for i, c in enumerate(convs) if len(c.user_turns) >= turn and i not in ended]
         ids = [tokenizer.apply_chat_template(_messages(convs[i], texts[i], turn), add_generation_prompt=True,
                                              return_dict=True)["input_ids"] for i in live]
+        if max_context:
+            ended |= {i: (turn, len(p)) for i, p in zip(live, ids) if len(p) + max_new_tokens > max_context}
+            ids = [p for i, p in zip(live, ids) if i not in ended]
+            live = [i for i in live if i not in ended]
+        if not live:
+            continue
         for i, p, g in zip(live, ids, decoder.greedy(ids, max_new_tokens)):
             out.append(TurnPrompt(i, turn, convs[i].category, convs[i].question_id, list(p), list(g)))
             texts[i].append(tokenizer.decode(g, skip_special_tokens=True).strip())
+    if ended:
+        i, (turn, n) = next(iter(ended.items()))
+        skipped = sum(len(convs[c].user_turns) - t + 1 for c, (t, _) in ended.items())
+        log.warning("%d turns of %d conversations not asked: their prompt + max_new_tokens (%d) passes the target's "
+                    "context (%d tokens); the first: conversation %s turn %d (%d prompt tokens)", skipped, len(ended),
+                    max_new_tokens, max_context, convs[i].question_id, turn, n)
+    if not out:
+        raise ConfigError(f"eval: no turn fits the target's context ({max_context} tokens) with eval_max_new_tokens "
+                          f"{max_new_tokens}: lower it or give shorter prompts")
     return out
 
 
@@ -177,14 +198,17 @@ def answers_report(turns: list[TurnPrompt], answers: list[Answer], k: int, max_n
 
 
 def evaluate_conversations(decoder, tokenizer, convs: list[EvalConversation], max_new_tokens: int, ks: list[int],
-                           turns: list[TurnPrompt] | None = None, check_greedy: bool = True) -> dict:
-    """Greedy answers for every turn (unless `turns` already holds them), then one speculative pass per k.
-    Returns {"by_k": {str(k): answers_report}, "turns": the TurnPrompts, "mismatches", timings}."""
-    t0 = time.time()
+                           turns: list[TurnPrompt] | None = None, check_greedy: bool = True,
+                           max_context: int = 0) -> dict:
+    """Greedy answers for every turn that fits `max_context` (unless `turns` already holds them), then one
+    speculative pass per k. Returns {"by_k": {str(k): answers_report}, "turns": the TurnPrompts,
+    "turns_past_context", "mismatches", timings}."""
+    t0, past = time.time(), None
     if turns is None:
         log.info("greedy answers (the reference) to %d conversations, at most %d new tokens each ...", len(convs),
                  max_new_tokens)
-        turns = build_turn_prompts(tokenizer, decoder, convs, max_new_tokens)
+        turns = build_turn_prompts(tokenizer, decoder, convs, max_new_tokens, max_context)
+        past = sum(len(c.user_turns) for c in convs) - len(turns)
     seconds = {"greedy": round(time.time() - t0, 2)}
     log.info("%d answers in %.0f s; speculative decoding at k = %s ...", len(turns), seconds["greedy"], list(ks))
     by_k = {}
@@ -197,5 +221,6 @@ def evaluate_conversations(decoder, tokenizer, convs: list[EvalConversation], ma
                  seconds[f"k{k}"])
     mismatches = [m for r in by_k.values() for m in r["mismatches"]]
     return {"conversations": len(convs), "answers": len(turns), "max_new_tokens": max_new_tokens, "ks": list(ks),
+            "turns_past_context": past,
             "by_k": by_k, "turns": turns, "identical_to_greedy": not mismatches if check_greedy else None,
             "mismatches": mismatches, "seconds": seconds}

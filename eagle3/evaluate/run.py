@@ -5,13 +5,14 @@ report.json is the phase's record (eagle3.io.PhaseOutput): written last, it says
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import asdict
 from pathlib import Path
 
 import torch
 
-from eagle3.errors import PipelineError
+from eagle3.errors import DeviceOOMError, PipelineError
 from eagle3.evaluate.config import EvalConfig
 from eagle3.evaluate.evaluation import MTBENCH
 from eagle3.identity import file_identity, model_identity
@@ -56,6 +57,19 @@ def _headline(results: dict, key: str) -> dict:
     return {k: r[key] for k, r in results["by_k"].items()}
 
 
+@contextlib.contextmanager
+def out_of_memory(cfg: EvalConfig):
+    """Decoding the GPU cannot hold, said with the params that fit it (retried: another process may have held
+    the memory)."""
+    try:
+        yield
+    except torch.OutOfMemoryError as e:
+        raise DeviceOOMError(
+            f"eval: out of GPU memory while decoding: lower eval_batch_tokens ({cfg.batch_tokens} now: rows x "
+            f"(longest prompt + eval_max_new_tokens) a batch; the figures do not depend on it) or "
+            f"eval_max_new_tokens ({cfg.max_new_tokens}). ({str(e).splitlines()[0][:200]})") from None
+
+
 def speculate(cfg: EvalConfig, convs: list, device: torch.device, tp: bool = False) -> dict:
     """Load the export and the target; speculate on `convs` with the trained drafter (and the random floor).
     tp: this process is one rank of target.tp_size: the target is loaded with transformers' tp_plan (its ranks run
@@ -78,16 +92,19 @@ def speculate(cfg: EvalConfig, convs: list, device: torch.device, tp: bool = Fal
         target.eval()
     else:
         target = load_model(cfg.target.model_path, device=str(device))
-    dec = make_decoder(cfg.decoder, target, drafter, vocab, capture, tok.eos_token_id)
-    trained = evaluate_conversations(dec, tok, convs, cfg.max_new_tokens, cfg.ks)
+    dec = make_decoder(cfg.decoder, target, drafter, vocab, capture, tok.eos_token_id, cfg.batch_tokens)
+    context = getattr(target.config, "max_position_embeddings", None) or 0
+    with out_of_memory(cfg):
+        trained = evaluate_conversations(dec, tok, convs, cfg.max_new_tokens, cfg.ks, max_context=context)
     results = {"trained": trained}
     if cfg.random_floor:
         torch.manual_seed(cfg.seed)
         floor = Eagle3Drafter(drafter.cfg).eval().to(device)
-        floor_dec = make_decoder(cfg.decoder, target, floor, vocab, capture, tok.eos_token_id)
-        results["random_init"] = evaluate_conversations(floor_dec, tok, convs, cfg.max_new_tokens, cfg.ks[:1],
-                                                        turns=trained["turns"][: cfg.floor_max_prompts or None],
-                                                        check_greedy=False)
+        floor_dec = make_decoder(cfg.decoder, target, floor, vocab, capture, tok.eos_token_id, cfg.batch_tokens)
+        with out_of_memory(cfg):
+            results["random_init"] = evaluate_conversations(
+                floor_dec, tok, convs, cfg.max_new_tokens, cfg.ks[:1],
+                turns=trained["turns"][: cfg.floor_max_prompts or None], check_greedy=False)
         results["random_init"].pop("turns")
     return results
 
@@ -120,9 +137,9 @@ def evaluate_phase(cfg: EvalConfig) -> dict:
     export_cfg = Path(cfg.export_dir) / "config.json"
     if not export_cfg.is_file():
         raise PipelineError(f"eval param export_dir: {cfg.export_dir} holds no drafter export (no config.json)")
-    # how, not what: the ranks the target runs in do not change the answers
+    # how, not what: the ranks the target runs in and the batches do not change the answers
     params = {k: v for k, v in asdict(cfg).items()
-              if k not in ("target", "rank_timeout_s", "output_dir", "export_dir", "prompts_file")}
+              if k not in ("target", "rank_timeout_s", "batch_tokens", "output_dir", "export_dir", "prompts_file")}
     # what, not where: the target, the prompts and the export by content
     params["model"] = model_identity(cfg.target.model_path)
     params["prompts"] = cfg.prompts_file if cfg.prompts_file == MTBENCH else file_identity(cfg.prompts_file)
@@ -142,7 +159,8 @@ def evaluate_phase(cfg: EvalConfig) -> dict:
     plot_acceptance({f"{name} k={k}": r for name, res in results.items() for k, r in res["by_k"].items()},
                     out / "acceptance.png")
     report = {"params": asdict(cfg), "device": str(device), "tp_size": cfg.target.tp_size, "conversations": len(convs),
-              "answers": len(turns), "ks": cfg.ks, "tau": _headline(trained, "tau"),
+              "answers": len(turns), "turns_past_context": trained["turns_past_context"], "ks": cfg.ks,
+              "tau": _headline(trained, "tau"),
               "tau_ended_with_eos": _headline(trained, "tau_ended_with_eos"),
               "share_hit_cap": _headline(trained, "share_hit_cap"),
               "tau_per_turn": {k: {t: s["tau"] for t, s in r["per_turn"].items()} for k, r in trained["by_k"].items()},

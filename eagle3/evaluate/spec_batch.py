@@ -56,9 +56,21 @@ def _pack_index(valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return order, valid.gather(1, order)
 
 
+def length_batches(lengths: list[int], token_budget: int, max_rows: int = 0) -> list[list[int]]:
+    """Indices by length, cut into batches of similar length: a batch takes rows while rows x its longest stays
+    within `token_budget` (one row at least) and, when `max_rows` is set, up to max_rows rows."""
+    batches: list[list[int]] = []
+    for i in sorted(range(len(lengths)), key=lengths.__getitem__):
+        if batches and (len(batches[-1]) + 1) * lengths[i] <= token_budget and len(batches[-1]) != max_rows:
+            batches[-1].append(i)
+        else:
+            batches.append([i])
+    return batches
+
+
 class BatchedSpeculativeDecoder:
     def __init__(self, target, drafter, vocab, capture_layers: list[int], eos_id: int | None,
-                 batch_size: int = 256, tie_tol: float = 1e-3):
+                 batch_size: int = 256, batch_tokens: int = 131072, tie_tol: float = 1e-3):
         self.target, self.drafter = target, drafter
         self.capture_layers, self.eos_id = list(capture_layers), eos_id
         self.pad_id = eos_id if eos_id is not None else 0
@@ -66,7 +78,7 @@ class BatchedSpeculativeDecoder:
         self.device = target.device
         self.d2t = vocab.d2t.to(self.device)
         self.cache_kwarg = kv_cache_kwarg(target)
-        self.batch_size, self.tie_tol = batch_size, tie_tol
+        self.batch_size, self.batch_tokens, self.tie_tol = batch_size, batch_tokens, tie_tol
         self.packs = 0  # times the caches were packed (a test checks the path runs)
         if target.config.hidden_size != drafter.cfg.hidden_size:
             raise PipelineError(f"drafter hidden_size {drafter.cfg.hidden_size} != target hidden_size "
@@ -80,9 +92,10 @@ class BatchedSpeculativeDecoder:
         aux = torch.cat([out.hidden_states[i] for i in self.capture_layers], -1).float()
         return out.logits.argmax(-1), aux
 
-    def _draft(self, tokens, hidden, positions, cache: dict, valid, fuse: bool):
+    def _draft(self, tokens, hidden, positions, cache: dict, valid, fuse: bool, last_only: bool = False):
         """Drafter slots [B, S] appended to `cache` (k, v, valid [B, L]); each attends to the valid cached slots
-        before it and to itself. Returns (target-vocab token ids [B, S], output states [B, S, H])."""
+        before it and to itself. Returns (target-vocab token ids [B, S], output states [B, S, H]); with
+        `last_only` (the prefill) both for the last slot alone: [B, S, draft vocab] logits outgrow the card."""
         d = self.drafter
         attn = d.midlayer.self_attn
         emb = self.embed(tokens).float()
@@ -99,6 +112,8 @@ class BatchedSpeculativeDecoder:
         mask = (causal & valid[:, None, :].bool()) | itself  # [B, S, L]; itself: no row without a key
         out = F.scaled_dot_product_attention(q, attn.expand_kv(k), attn.expand_kv(v), attn_mask=mask[:, None])
         state = d.midlayer.finish(attn.project_out(out), hidden)
+        if last_only:
+            state = state[:, -1:]
         ids = d.logits(state).argmax(-1)
         return ids + self.d2t[ids], state
 
@@ -106,16 +121,15 @@ class BatchedSpeculativeDecoder:
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], max_new_tokens: int, k: int) -> list[tuple[list[int], list[int]]]:
-        """(answer tokens, drafts accepted per round) for every prompt, batched by `batch_size` prompts of
-        similar length (order restored)."""
+        """(answer tokens, drafts accepted per round) for every prompt, in batches of similar length: at most
+        `batch_size` prompts and `batch_tokens` rows x (longest prompt + max_new_tokens) (order restored)."""
         if k < 1:
             raise PipelineError(f"speculative k must be >= 1, got {k}")
         if any(not p for p in prompts):
             raise PipelineError("speculative decoding got an empty prompt")
-        order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
         out: list = [None] * len(prompts)
-        for s in range(0, len(order), self.batch_size):
-            idx = order[s:s + self.batch_size]
+        lengths = [len(p) + max_new_tokens for p in prompts]
+        for idx in length_batches(lengths, self.batch_tokens, self.batch_size):
             for i, r in zip(idx, self._generate_batch([prompts[i] for i in idx], max_new_tokens, k)):
                 out[i] = r
         return out
@@ -128,8 +142,9 @@ class BatchedSpeculativeDecoder:
         greedy, aux = self._target(ids, tmask, pos, tcache, logits_to_keep=1)  # prefill: the last logits only
         last = greedy[:, -1]  # the first new token of every row
         dcache: dict = {}
-        nxt, state = self._draft(torch.cat([ids[:, 1:], last[:, None]], 1), aux, pos, dcache, tmask.bool(), True)
-        nxt, state = nxt[:, -1], state[:, -1:]
+        nxt, state = self._draft(torch.cat([ids[:, 1:], last[:, None]], 1), aux, pos, dcache, tmask.bool(), True,
+                                 last_only=True)
+        nxt = nxt[:, -1]
         tlen = tmask.sum(1)  # per row: tokens in the target cache = position of the next one
         new = [[t] for t in last.tolist()]
         hist: list[list[int]] = [[] for _ in range(B)]
@@ -198,19 +213,8 @@ def teacher_forced_check(target, prompts: list[list[int]], answers: list[list[in
     a tie (counted in the result as {"ties": n} only when the answer otherwise passes: see `check_summary`)."""
     device, pad = target.device, eos_id if eos_id is not None else 0
 
-    def length(i: int) -> int:
-        return len(prompts[i]) + len(answers[i])
-
-    order = sorted(range(len(prompts)), key=length)
     result: list = [None] * len(prompts)
-    i = 0
-    while i < len(order):
-        j, longest = i + 1, length(order[i])
-        while j < len(order) and (j - i + 1) * max(longest, length(order[j])) <= token_budget:
-            longest = max(longest, length(order[j]))
-            j += 1
-        batch = order[i:j]
-        i = j
+    for batch in length_batches([len(p) + len(a) for p, a in zip(prompts, answers)], token_budget):
         for b in batch:  # shape rules first: they need no forward
             ans = answers[b]
             if not ans:

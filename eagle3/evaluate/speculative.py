@@ -169,7 +169,8 @@ class SequentialDecoder:
     """The evaluation's decoder interface (eagle3.evaluate.evaluation.DECODERS), one prompt at a time:
     `speculate` with the chain drafter, `greedy` with HF generate as the lossless reference."""
 
-    def __init__(self, target, drafter, vocab, capture_layers, eos_id):
+    def __init__(self, target, drafter, vocab, capture_layers, eos_id, batch_tokens: int = 0):
+        # batch_tokens: one prompt at a time leaves no batch to bound
         self.spec = SpeculativeDecoder(target, drafter, vocab, capture_layers, eos_id)
 
     def speculate(self, prompts: list[list[int]], max_new_tokens: int, k: int) -> list[Answer]:
