@@ -168,7 +168,8 @@ def drafter_results(run_dir: str | Path) -> dict:
         evaluate.update(state=COMPLETE if shown is eval_report else FAILED, tables=evaluation_table(shown),
                         conversations=shown.get("conversations"), answers=shown.get("answers"),
                         max_new_tokens=params.get("max_new_tokens"), prompts=params.get("prompts_file") or "prompts",
-                        identical_to_greedy=shown.get("identical_to_greedy"), device=shown.get("device"))
+                        identical_to_greedy=shown.get("identical_to_greedy"), device=shown.get("device"),
+                        turns_past_context=shown.get("turns_past_context"))
     else:
         evaluate.update(state=NOT_RUN, error=(shown or {}).get("error"))
     return {"run_dir": str(run), "train": train, "evaluate": evaluate,

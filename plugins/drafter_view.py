@@ -107,6 +107,10 @@ def _evaluate(p: dict) -> str:
     out.append(f"<p>{v.get('answers')} answers to {n} conversation{'' if n == 1 else 's'} ({e(str(v.get('prompts')))}), "
                f"at most {v.get('max_new_tokens')} new tokens each, on {e(str(v.get('device')))}; speculative output "
                f"<b id='lossless'>{e(lossless)}</b>. tau: tokens per target forward (accepted draft tokens + 1).</p>")
+    if past := v.get("turns_past_context"):
+        out.append(f"<p class='err' id='past-context'>{past} turn{'' if past == 1 else 's'} not asked: prompt + "
+                   f"{v.get('max_new_tokens')} new tokens past the target's context (the task log names the "
+                   f"first).</p>")
     out.append(_table(v["tables"]["by_k"], "tau"))
     if v["tables"]["by_category"]:
         out.append("<h4>tau per category</h4>" + _table(v["tables"]["by_category"], "tau-by-category"))

@@ -45,7 +45,7 @@ def test_training_evaluation_and_export_as_the_phases_wrote_them(tiny):  # noqa:
     (run / "evaluate").mkdir()
     (run / "evaluate" / "report.json").write_text(json.dumps(EVAL_REPORT))
     v = drafter_results(run)["evaluate"]
-    assert v["state"] == "complete" and v["identical_to_greedy"] is True
+    assert v["state"] == "complete" and v["identical_to_greedy"] is True and v["turns_past_context"] is None
     assert v["tables"]["by_k"] == [
         ["k", "tau", "tau (answers ended by eos)", "share at max_new_tokens", "tau, random drafter", "tau turn 1",
          "tau turn 2"],
@@ -97,7 +97,10 @@ def test_the_page_renders_the_tables_plots_and_commands(tiny, monkeypatch):  # n
         (tiny / "evaluate" / "report.json").write_text(json.dumps(EVAL_REPORT))
         page = client.get("/drafter", params=q).text
         assert "<td>2.35</td>" in page and "identical to greedy decoding (lossless)" in page
-        assert "http-equiv=\"refresh\"" not in page
+        assert "http-equiv=\"refresh\"" not in page and "past-context" not in page
+        (tiny / "evaluate" / "report.json").write_text(json.dumps({**EVAL_REPORT, "turns_past_context": 3}))
+        page = client.get("/drafter", params=q).text
+        assert "<p class='err' id='past-context'>3 turns not asked: prompt + 64 new tokens past the target's" in page
         img = client.get("/drafter/plot", params={**q, "name": "training"})
         assert img.status_code == 200 and img.content[:4] == b"\x89PNG"
         assert client.get("/drafter/plot", params={**q, "name": "../train/report.json"}).status_code == 404
