@@ -107,17 +107,19 @@ def test_a_static_cache_is_sized_for_each_batch_not_the_longest_the_model_ever_s
 def test_batches_are_bounded_by_their_kv_tokens_and_answer_as_one_batch_does(smollm2_model, smollm2_tokenizer):
     """max_batch_tokens: rows x (longest context + max_new_tokens) per batch (1,000 rows of turn-2 contexts ran out
     of an H100's memory); greedy answers do not depend on how the rows were batched."""
+    from eagle3.evaluate.spec_batch import length_batches  # generate_batch's batches: contexts + max_new_tokens
+
     lengths = [5, 40, 7, 12, 3, 100]
-    batches = sd.length_batches(lengths, batch_size=4, max_new_tokens=10, max_batch_tokens=60)
+    batches = length_batches([n + 10 for n in lengths], token_budget=60, max_rows=4)
     assert sorted(i for b in batches for i in b) == list(range(6))  # every row once, shortest first
     assert [[lengths[i] for i in b] for b in batches] == [[3, 5, 7], [12], [40], [100]]  # 100 + 10 alone, over it
-    assert sd.length_batches(lengths, 4, 10) == [[4, 0, 2, 3], [1, 5]]  # no budget: rows only
+    assert length_batches([n + 10 for n in lengths], 0, 4) == [[4, 0, 2, 3], [1, 5]]  # no budget: rows only
 
     tok = smollm2_tokenizer
     prompts = [ONE_TURN, TWO_TURNS, "Write one sentence about the sea."]
     one = sd.generate_answers(smollm2_model, tok, prompts, max_new_tokens=12, batch_size=8)
     firsts = [len(sd.prompt_ids(tok, p if isinstance(p, str) else p[0])) for p in prompts]
-    assert len(sd.length_batches(firsts, 8, 12, max(firsts) + 12)) == 3  # turn 1: one row a batch
+    assert len(length_batches([n + 12 for n in firsts], max(firsts) + 12, 8)) == 3  # turn 1: one row a batch
     assert sd.generate_answers(smollm2_model, tok, prompts, max_new_tokens=12, batch_size=8,
                                max_batch_tokens=max(firsts) + 12) == one
 

@@ -58,11 +58,13 @@ def _pack_index(valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def length_batches(lengths: list[int], token_budget: int, max_rows: int = 0) -> list[list[int]]:
     """Indices by length, cut into batches of similar length: a batch takes rows while rows x its longest stays
-    within `token_budget` (one row at least) and, when `max_rows` is set, up to max_rows rows."""
+    within `token_budget` (one row at least; 0 = no limit) and, when `max_rows` is set, up to max_rows rows. Also
+    the bench's answer generation's batches (tests/support/selfdistill.generate_batch)."""
     batches: list[list[int]] = []
     for i in sorted(range(len(lengths)), key=lengths.__getitem__):
-        if batches and (len(batches[-1]) + 1) * lengths[i] <= token_budget and len(batches[-1]) != max_rows:
-            batches[-1].append(i)
+        last = batches[-1] if batches else None
+        if last and len(last) != max_rows and (not token_budget or (len(last) + 1) * lengths[i] <= token_budget):
+            last.append(i)
         else:
             batches.append([i])
     return batches

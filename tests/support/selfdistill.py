@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from eagle3.evaluate.spec_batch import length_batches
 from eagle3.extract.format import ShardManifest, write_chunk
 from tests.support.reference import reference_states
 
@@ -127,34 +128,18 @@ def size_static_cache_for_this_call(model, generate_kwargs: dict) -> None:
         model._previous_max_cache_length = -1
 
 
-def length_batches(lengths: list[int], batch_size: int, max_new_tokens: int,
-                   max_batch_tokens: int = 0) -> list[list[int]]:
-    """Indices into `lengths`, shortest first, in batches of at most batch_size rows whose KV cache, rows x (the
-    longest context + max_new_tokens), stays within max_batch_tokens (0 = no limit; a row longer than it goes
-    alone). 1,000 rows of every-turn contexts (turn 2: up to 1,566 tokens) ran out of an H100's 80 GB (2026-12-06):
-    the row count alone does not bound the memory once contexts grow turn by turn."""
-    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
-    batches: list[list[int]] = []
-    for i in order:
-        rows = batches[-1] if batches else None
-        if rows and len(rows) < batch_size and \
-                not (max_batch_tokens and (len(rows) + 1) * (lengths[i] + max_new_tokens) > max_batch_tokens):
-            rows.append(i)
-        else:
-            batches.append([i])
-    return batches
-
-
 @torch.no_grad()
 def generate_batch(model, contexts: list[list[int]], max_new_tokens: int, eos: int, batch_size: int,
                    temperature: float, seed: int, log_every: int = 1, max_batch_tokens: int = 0,
                    **generate_kwargs) -> list[list[int]]:
     """One answer per context (token ids, with eos when it ended), in the order of `contexts`. Contexts are
-    batched by length (less left padding) within batch_size rows and max_batch_tokens (length_batches);
-    `generate_kwargs` go to HF generate (e.g. cache_implementation)."""
+    batched by length (less left padding) within batch_size rows and max_batch_tokens, rows x (the longest context +
+    max_new_tokens): the evaluation's length_batches. 1,000 rows of every-turn contexts (turn 2: up to 1,566
+    tokens) ran out of an H100's 80 GB (2026-12-06): the row count alone does not bound the memory once contexts
+    grow turn by turn. `generate_kwargs` go to HF generate (e.g. cache_implementation)."""
     answers: list[list[int] | None] = [None] * len(contexts)
     sampling = sampling_kwargs(temperature)
-    batches = length_batches([len(c) for c in contexts], batch_size, max_new_tokens, max_batch_tokens)
+    batches = length_batches([len(c) + max_new_tokens for c in contexts], max_batch_tokens, batch_size)
     done = 0
     for n, rows in enumerate(batches):
         width = max(len(contexts[i]) for i in rows)
