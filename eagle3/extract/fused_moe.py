@@ -14,11 +14,19 @@ Pairs are grouped per expert in blocks of BLOCK_M rows, each expert's group padd
 FP8 weights in 128 x 128 blocks (DeepSeek-V3's FP8 checkpoint) run as float8 MMAs, each GEMM's input quantized per
 token and 128 values first (`quantize_groups`).
 
+`KERNEL` picks the bf16/fp16 GEMMs' structure: "tiles" (the default: fused_moe_kernels, one program a tile, A's
+rows gathered by pointer loads), "tma" or "tma_w" (eagle3.extract.fused_moe_tma: tensor descriptors and a persistent
+schedule, for Hopper; "tma" gathers A's rows once into a contiguous buffer first). Set it before the first call, or
+by the environment variable EAGLE3_FUSED_MOE_KERNEL; FP8 weights, and widths the TMA kernels cannot tile, stay on
+"tiles". bench/kernels_check.py --rows experts measures them side by side.
+
 On the CPU the same kernels run in Triton's interpreter (the tests, and the CPU path of the extractor). Its dot of
 bf16 tiles is wrong (triton 3.9 holds bf16 as uint16 in numpy), so there the tiles go to fp32 first (UPCAST).
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -29,6 +37,7 @@ PARAM = f"extract param experts_implementation={NAME!r}"
 WEIGHT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 FP8_BLOCK = 128  # DeepSeek-V3's FP8 checkpoint: 128 x 128 weight blocks
 FP8_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
+KERNEL = os.environ.get("EAGLE3_FUSED_MOE_KERNEL", "tiles")  # "tiles", "tma" or "tma_w" (the docstring above)
 
 
 def kernels(device: torch.device, fp8: bool = False):
@@ -135,6 +144,12 @@ def fused_experts(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: tor
     width, s = two_i // 2, t * top_k
     fp8 = gate_up_scale is not None
     block_m = block_m_for(s, num_experts, x.device)
+    if KERNEL != "tiles" and not fp8:
+        from eagle3.extract import fused_moe_tma
+
+        if fused_moe_tma.runs(x, gate_up_proj, down_proj):
+            return fused_moe_tma.experts(x, top_k_index, top_k_weights, gate_up_proj, down_proj, expert_parallel,
+                                         KERNEL, block_m)
     pairs, block_expert = align_pairs(top_k_index, num_experts, block_m, elsewhere=expert_parallel)
     num_blocks = block_expert.numel()
     gate_up, down, tiles = kernels(x.device, fp8)
