@@ -8,6 +8,10 @@ Rows (each: relative L2 error against the definition and the time of one call, m
 - experts-bf16 / experts-fp8: the fused routed experts of one batch at the Qwen3-30B-A3B and DeepSeek-V3 widths,
   as FLOP/s of their GEMMs, beside transformers' grouped_mm path on the same batch (bf16), each autotune config of
   the two kernels (the autotuner's own timings) and one dense GEMM of each kernel's rows (the rate to aim at);
+  beside them the TMA / persistent kernels (eagle3/extract/fused_moe_tma.py, fused_moe.KERNEL "tma" and
+  "tma_w"): `tma_*` / `tma_w_*` rows, each kernel timed alone (`*_gate_up_tflops`, `*_down_tflops`; "tma"'s
+  gate_up with its row gather, timed alone too as `tma_gather_ms`), the whole step (`*_tflops`, against
+  `bf16_tflops`) and their autotune configs' rates (`*_tiles`);
 - linear-fp8: one FP8 checkpoint linear (DeepSeek-V3's widths, MLA's 576-row kv_a_proj_with_mqa among them) beside
   torch._scaled_mm's FP8 GEMM (row-wise scales, all ones) and a bf16 GEMM of the same shape; its input's quantization
   and its GEMM timed apart; and torch's block-scaled FP8 GEMM on the checkpoint's own layout (the lever to try).
@@ -86,6 +90,63 @@ def tile_rates(fp8: bool, pairs: int, hidden: int, width: int) -> dict:
     return out
 
 
+def tma_rows(mode, x, idx, w, up, dn, want, flops, device, reps) -> dict:
+    """fused_moe.KERNEL = mode (the TMA / persistent kernels) on the batch of the bf16 row: its error against the
+    same reference, and on a GPU its rates, whole and per kernel, and its autotune configs'. An error is a row
+    (the kernels' first runs on a GPU are here)."""
+    from eagle3.extract import fused_moe_tma as ft
+
+    tokens, hidden, width, k = x.shape[0], x.shape[1], dn.shape[2], idx.shape[1]
+    gu_flops, down_flops = 2.0 * tokens * k * hidden * 2 * width, 2.0 * tokens * k * width * hidden
+    out, before = {}, fused_moe.KERNEL
+    try:
+        fused_moe.KERNEL = mode
+        if not ft.runs(x, up, dn):
+            return {mode: "widths or dtype the TMA kernels do not take"}
+        poison(device, x.numel() * k * 4)
+        got = fused_moe.fused_experts(x, idx, w, up, dn)
+        out[f"{mode}_rel_l2"], out[f"{mode}_nan"] = rel(got, want), bool(got.isnan().any())
+        if device.type != "cuda":
+            return out
+        out[f"{mode}_tflops"] = flops / timed(lambda: fused_moe.fused_experts(x, idx, w, up, dn), device, reps) / 1e12
+        block_m = fused_moe.block_m_for(idx.numel(), up.shape[0], device)
+        pairs, block_expert, live = ft.plan(idx, up.shape[0], block_m, False)
+        weights = w.reshape(-1).contiguous()
+
+        def gate_up():
+            return ft.gate_up(x, pairs, block_expert, live, up, k, block_m, mode)
+
+        def down():
+            return ft.down(h, pairs, block_expert, live, dn, weights, idx.numel(), block_m, False)
+
+        h = gate_up()
+        out[f"{mode}_gate_up_tflops"] = gu_flops / timed(gate_up, device, reps) / 1e12
+        out[f"{mode}_down_tflops"] = down_flops / timed(down, device, reps) / 1e12
+        if mode == "tma":
+            out["tma_gather_ms"] = 1e3 * timed(lambda: ft.gather_rows(x, pairs, k), device, reps)
+        out[f"{mode}_tiles"] = {name: config_rates(fn, fl) for name, fn, fl in
+                                (("gate_up", ft.gpu_kernels()[0], gu_flops), ("down", ft.gpu_kernels()[1], down_flops))}
+    except Exception as e:  # noqa: BLE001 (first runs on a GPU: the row says what failed, the other rows go on)
+        out[mode] = f"{type(e).__name__}: {str(e)[:300]}"
+    finally:
+        fused_moe.KERNEL = before
+    return out
+
+
+def config_rates(fn, flops: float) -> dict:
+    """TFLOP/s of each config an autotuner timed on its last tuning (best first; compact names)."""
+    timings = getattr(fn, "configs_timings", None) or {}
+    rates = {}
+    for c, t in timings.items():
+        t = t[0] if isinstance(t, (list, tuple)) else t
+        if t and t != float("inf"):
+            kw = c.kwargs
+            name = f"n{kw['BLOCK_N']}k{kw['BLOCK_K']}g{kw['GROUP_M']}{'f' if kw.get('FLATTEN') else ''}" \
+                   f"s{c.num_stages}w{c.num_warps}"
+            rates[name] = round(flops / t / 1e9, 1)
+    return dict(sorted(rates.items(), key=lambda kv: -kv[1]))
+
+
 def check_experts(name, tokens, device, dtype, reps) -> dict:
     hidden, width, experts, k = EXPERTS.get(name, SMOKE_EXPERTS)
     g = torch.Generator(device=device).manual_seed(tokens)
@@ -98,8 +159,11 @@ def check_experts(name, tokens, device, dtype, reps) -> dict:
     row = {"tokens": tokens, "experts": experts, "hidden": hidden, "width": width, "top_k": k}
     poison(device, x.numel() * k * 4)
     got = fused_moe.fused_experts(x, idx, w, up, dn)
-    row["bf16_rel_l2"] = rel(got, experts_reference(x, idx, w, up, dn))
+    want = experts_reference(x, idx, w, up, dn)
+    row["bf16_rel_l2"] = rel(got, want)
     row["bf16_nan"] = bool(got.isnan().any())
+    for mode in ("tma", "tma_w"):
+        row.update(tma_rows(mode, x, idx, w, up, dn, want, flops, device, reps))
     if device.type == "cuda":
         row["bf16_tiles"] = tile_rates(False, tokens * k, hidden, width)
         row["bf16_tflops"] = flops / timed(lambda: fused_moe.fused_experts(x, idx, w, up, dn), device, reps) / 1e12

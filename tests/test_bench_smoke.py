@@ -142,6 +142,8 @@ def test_kernels_check_smoke_checks_each_kernel_against_its_definition(tmp_path)
     res = json.loads(out.read_text())
     for row in res["experts"].values():
         assert row["bf16_rel_l2"] < 0.02 and row["fp8_rel_l2"] < 0.05 and not row["bf16_nan"] and not row["fp8_nan"]
+        for mode in ("tma", "tma_w"):  # the TMA / persistent kernels (fused_moe.KERNEL), the same batch
+            assert row[f"{mode}_rel_l2"] < 0.02 and not row[f"{mode}_nan"], row
     assert all(r["rel_l2"] < 0.01 and not r["nan"] for r in res["linears"].values()) and res["linears"]
     assert all(q["bytes_equal"] and q["values_equal_at_kernel_scales"] for q in res["quantize"].values())
 
@@ -161,6 +163,19 @@ def test_kernels_check_rates_each_tile_from_the_autotuners_timings(monkeypatch):
     gate_up_flops = 2.0 * 1000 * 2048 * 2 * 768
     assert list(rates["gate_up"].values()) == [gate_up_flops / 1.0 / 1e9, gate_up_flops / 2.0 / 1e9]
     assert list(rates["gate_up"]) == [str(fast), str(slow)] and rates["down"] == {}
+
+
+def test_kernels_check_names_each_tma_config_compactly_with_its_rate():
+    """The TMA kernels' config rates: one short name a config (tiles, group, flattened, stages, warps), best first,
+    a failed config (inf) left out."""
+    triton = pytest.importorskip("triton")
+    from bench import kernels_check
+
+    fast = triton.Config({"BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "FLATTEN": True}, num_stages=4, num_warps=8)
+    slow = triton.Config({"BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 1, "FLATTEN": False}, num_stages=3, num_warps=4)
+    broken = triton.Config({"BLOCK_N": 256, "BLOCK_K": 64, "GROUP_M": 1}, num_stages=4, num_warps=8)
+    tuner = type("Tuner", (), {"configs_timings": {slow: [2.0, 1.9, 2.1], fast: [1.0], broken: float("inf")}})
+    assert kernels_check.config_rates(tuner, 2e9) == {"n128k64g8fs4w8": 2.0, "n64k64g1s3w4": 1.0}
 
 
 def test_generate_bench_smoke_times_each_attention_and_checks_its_step_against_fp32(tmp_path):

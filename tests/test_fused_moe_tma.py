@@ -101,6 +101,26 @@ def test_fp8_and_untileable_widths_stay_on_the_tiles_kernels(monkeypatch):
         fused_moe.fused_experts(*inputs(3, False, torch.float32, 1))
 
 
+def test_gpu_widths_the_column_tiles_divide():
+    """A tile must not cross from gate to up or from one expert to the next: the autotuner keeps only configs whose
+    BLOCK_N divides the width, and `runs` refuses widths that no config divides (those go to the tiles kernels)."""
+    down = fused_moe_tma.configs("down")
+    assert {c.kwargs["BLOCK_N"] for c in fused_moe_tma.whole_column_tiles(down, {"N": 384})} == {128}
+    assert len(fused_moe_tma.whole_column_tiles(down, {"N": 7168})) == len(down)  # DeepSeek-V3's hidden
+
+    def widths(hidden, width, dtype=torch.bfloat16):
+        return (torch.empty(1, hidden, dtype=dtype, device="meta"),
+                torch.empty(4, 2 * width, hidden, dtype=dtype, device="meta"),
+                torch.empty(4, hidden, width, dtype=dtype, device="meta"))
+
+    assert fused_moe_tma.runs(*widths(2048, 768), on_gpu=True)  # Qwen3-30B-A3B
+    assert fused_moe_tma.runs(*widths(384, 64), on_gpu=True)
+    assert not fused_moe_tma.runs(*widths(320, 64), on_gpu=True)  # hidden: no down tile (128, 256) divides it
+    assert not fused_moe_tma.runs(*widths(384, 96), on_gpu=True)  # width: no gate_up tile (64, 128) divides it
+    assert not fused_moe_tma.runs(*widths(384, 64, torch.float32), on_gpu=True)  # bf16/fp16 only on a GPU
+    assert fused_moe_tma.runs(*widths(320, 48, torch.float32), on_gpu=False)  # the interpreter's 16-column tiles
+
+
 HOPPER_SHARED_BYTES = 232448  # the most shared memory a block may use on sm_90 (227 KiB)
 
 
@@ -162,3 +182,51 @@ def test_every_tma_config_compiles_for_hopper_into_bulk_tensor_copies_and_wgmma(
         report = ptxas_report(ptx, tmp_path)
         assert "C7515" not in report, f"{where}: {report}"
         assert " 0 bytes spill stores" in report, f"{where}: {report}"
+
+
+GPU_CHAIN = """
+import torch
+from eagle3.extract import fused_moe, fused_moe_tma as ft
+tuners = ft.gpu_kernels()
+for tuner in tuners:  # every config runs once (no timer without a GPU); the first is kept
+    tuner._do_bench = lambda call, quantiles: (call(), [float(len(ran)), 0.0, 0.0])[1]
+ran = []
+def persistent(kernel, fn, grid_tiles, args, descs, n, k, block_m, device, **flags):
+    ran.append(kernel)
+    ft.launch_persistent(ft.gpu_kernels()[kernel == "down"], grid_tiles, args, block_m, 3, **flags)
+ft.launch = persistent
+torch.manual_seed(0)
+t, h, w, e, k = 40, 256, 128, 4, 2
+x, idx = torch.randn(t, h), torch.stack([torch.randperm(e)[:k] for _ in range(t)])
+up, down, weights = torch.randn(e, 2 * w, h) * 0.05, torch.randn(e, h, w) * 0.05, torch.rand(t, k)
+want = fused_moe.fused_experts(x, idx, weights, up, down)
+for mode in ft.MODES:
+    got = ft.experts(x, idx, weights, up, down, False, mode, 64)
+    print(mode, len(ran), float((got - want).abs().max()))
+print("timed", [len(getattr(tuner, "configs_timings", {})) for tuner in tuners], [len(t.cache) for t in tuners])
+"""
+
+
+def test_the_gpus_launch_chain_autotunes_sets_the_blocks_and_walks_every_tile():
+    """On a GPU the kernels launch through the autotuner (configs pruned to whole column tiles, each config's
+    pre_hook setting the descriptors' block shapes, the heuristic's EVEN_K, "tma" and "tma_w" tuned apart) on a
+    persistent grid. The CPU path never takes that chain: here the GPU's own autotuned kernel objects run in
+    Triton's interpreter (switched on before triton is imported: a process of its own) on a grid of 3 programs,
+    float32 (no upcast), every config once."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    run = subprocess.run([sys.executable, "-c", GPU_CHAIN], env=env, capture_output=True, text=True, timeout=600,
+                         cwd=Path(__file__).resolve().parents[1], check=False)
+    assert run.returncode == 0, run.stderr[-3000:]
+    lines = run.stdout.split("\n")
+    for mode, line in zip(fused_moe_tma.MODES, lines):
+        name, launches, err = line.split()
+        assert name == mode and float(err) < 1e-5, line
+    assert lines[1].split()[1] == "4"  # two launches a call
+    # every config timed (BLOCK_N divides both widths here); gate_up tuned for each mode, down once
+    counts = [len(fused_moe_tma.configs("gate_up")), len(fused_moe_tma.configs("down"))]
+    assert lines[2] == f"timed {counts} [2, 1]", lines[2]

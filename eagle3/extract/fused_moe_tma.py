@@ -149,10 +149,11 @@ def whole_column_tiles(configs, named_args, **kwargs):
 
 def autotuned(fn, kernel: str):
     # (no cache_results: the autotuner does not cache configs with a pre_hook)
-    jitted = triton.jit(fn)
-    if "EVEN_K" in inspect.signature(fn).parameters:
+    jitted, key = triton.jit(fn), ["N", "K", "BLOCK_M"]
+    if "GATHER_A" in inspect.signature(fn).parameters:  # gate_up: "tma" and "tma_w" are different kernels
         jitted = triton.heuristics({"EVEN_K": lambda a: a["K"] % a["BLOCK_K"] == 0})(jitted)
-    return triton.autotune(configs(kernel), key=["N", "K", "BLOCK_M"],
+        key.append("GATHER_A")
+    return triton.autotune(configs(kernel), key=key,
                            prune_configs_by={"early_config_prune": whole_column_tiles})(jitted)
 
 
@@ -171,15 +172,17 @@ def sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def runs(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor) -> bool:
-    """Can these kernels run this call? bf16/fp16 on a GPU (any float on the CPU's interpreter), one dtype, widths
-    in whole 64-column tiles (on the CPU 16) and rows 16-byte aligned (TMA's rule)."""
-    widths = (gate_up_proj.shape[1] // 2, down_proj.shape[1])
-    on_gpu = x.device.type == "cuda"
+def runs(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor, on_gpu: bool | None = None) -> bool:
+    """Can these kernels run this call? bf16/fp16 on a GPU (any float on the CPU's interpreter), one dtype, each
+    GEMM's output width a whole number of its narrowest column tile (on the CPU 16) and rows 16-byte aligned (TMA's
+    rule)."""
+    widths = {"gate_up": gate_up_proj.shape[1] // 2, "down": down_proj.shape[1]}
+    on_gpu = x.device.type == "cuda" if on_gpu is None else on_gpu
     dtypes = (torch.bfloat16, torch.float16) if on_gpu else (torch.bfloat16, torch.float16, torch.float32)
+    tile = {kernel: min(t[0] for t in TILES[kernel]) if on_gpu else 16 for kernel in widths}
     return (x.dtype == gate_up_proj.dtype == down_proj.dtype and x.dtype in dtypes
-            and all(w % (64 if on_gpu else 16) == 0 for w in widths)
-            and all(w * x.element_size() % 16 == 0 for w in (x.shape[1], *widths)))
+            and all(w % tile[kernel] == 0 for kernel, w in widths.items())
+            and all(w * x.element_size() % 16 == 0 for w in (x.shape[1], *widths.values())))
 
 
 def cpu_block_n(n: int) -> int:
@@ -192,11 +195,11 @@ def descriptor(t: torch.Tensor) -> TensorDescriptor:
 
 
 def launch(kernel, fn, grid_tiles, args, descs, n, k, block_m, device, **flags):
-    """One launch: on a GPU a persistent grid of at most one program an SM (the autotuner picks the tiles); on the
-    CPU the interpreter with fixed tiles, one program a tile."""
+    """One launch: on a GPU the autotuned kernel on a persistent grid; on the CPU the interpreter with fixed tiles,
+    one program a tile (or CPU_TILES' PROGRAMS)."""
     if device.type == "cuda":
         sms = sm_count(device.index if device.index is not None else torch.cuda.current_device())
-        fn[(min(sms, grid_tiles(64)),)](*args, BLOCK_M=block_m, NUM_SMS=sms, **flags)
+        launch_persistent(fn, grid_tiles, args, block_m, sms, **flags)
         return
     tiles = {"BLOCK_N": cpu_block_n(n), "BLOCK_K": CPU_TILES["BLOCK_K"], "GROUP_M": CPU_TILES["GROUP_M"],
              "FLATTEN": False}
@@ -204,6 +207,12 @@ def launch(kernel, fn, grid_tiles, args, descs, n, k, block_m, device, **flags):
     extra = {"EVEN_K": k % tiles["BLOCK_K"] == 0} if kernel == "gate_up" else {}
     programs = min(CPU_TILES["PROGRAMS"] or grid_tiles(tiles["BLOCK_N"]), grid_tiles(tiles["BLOCK_N"]))
     fn[(programs,)](*args, BLOCK_M=block_m, NUM_SMS=programs, UPCAST=True, **tiles, **extra, **flags)
+
+
+def launch_persistent(fn, grid_tiles, args, block_m: int, sms: int, upcast: bool = False, **flags):
+    """The autotuned kernel (its configs' pre_hooks set the descriptors' blocks) on at most one program an SM,
+    never more than the tiles at the narrowest BLOCK_N (the live tiles are known only on the device)."""
+    fn[(min(sms, grid_tiles(64)),)](*args, BLOCK_M=block_m, NUM_SMS=sms, UPCAST=upcast, **flags)
 
 
 def plan(top_k_index: torch.Tensor, num_experts: int, block_m: int, expert_parallel: bool):
