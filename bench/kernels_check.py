@@ -147,7 +147,7 @@ def config_rates(fn, flops: float) -> dict:
     return dict(sorted(rates.items(), key=lambda kv: -kv[1]))
 
 
-def check_experts(name, tokens, device, dtype, reps) -> dict:
+def check_experts(name, tokens, device, dtype, reps, fp8: bool = True) -> dict:
     hidden, width, experts, k = EXPERTS.get(name, SMOKE_EXPERTS)
     g = torch.Generator(device=device).manual_seed(tokens)
     x = torch.randn(tokens, hidden, device=device, dtype=dtype, generator=g)
@@ -189,6 +189,8 @@ def check_experts(name, tokens, device, dtype, reps) -> dict:
             del mod
         except Exception as e:  # noqa: BLE001 (a transformers without that path: the row says why)
             row["grouped_mm"] = f"{type(e).__name__}: {str(e)[:200]}"
+    if not fp8:
+        return row
     up_q, up_s = fused_moe.quantize_blocks(up)
     dn_q, dn_s = fused_moe.quantize_blocks(dn)
     del up, dn
@@ -270,6 +272,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny shapes (the interpreter)")
     ap.add_argument("--rows", default="quantize,experts,linears", help="which rows, comma-separated")
+    ap.add_argument("--shapes", default=",".join(EXPERTS), help="the experts rows' widths, comma-separated "
+                    f"(of {', '.join(EXPERTS)})")
+    ap.add_argument("--no-fp8", action="store_true", help="the experts rows without their FP8 half")
     ap.add_argument("--out", default=None)
     return ap
 
@@ -301,8 +306,12 @@ def main(argv=None) -> int:
             "values_equal_at_kernel_scales": bool(torch.equal(q.view(torch.uint8), given.view(torch.uint8))),
             **value_differences(q, given)}
         save("quantize", f"{rows}x{cols}")
-    for name in (EXPERTS if device.type == "cuda" else ("smoke",)) if "experts" in wanted else ():
-        res["experts"][name] = check_experts(name, tokens, device, dtype, a.reps)
+    shapes = a.shapes.split(",")
+    unknown = [n for n in shapes if n not in EXPERTS]
+    if unknown:
+        raise SystemExit(f"--shapes {a.shapes}: unknown {', '.join(unknown)} (one of {', '.join(EXPERTS)})")
+    for name in (shapes if device.type == "cuda" else ("smoke",)) if "experts" in wanted else ():
+        res["experts"][name] = check_experts(name, tokens, device, dtype, a.reps, fp8=not a.no_fp8)
         save("experts", name)
     linears = LINEARS if device.type == "cuda" else {"smoke": SMOKE_LINEAR}
     for name, (out_f, in_f) in linears.items() if "linears" in wanted else ():
