@@ -168,6 +168,8 @@ def extract_fp8_child(cfg: RunConfig) -> None:
     config, log_path = folder / "fp8_extract_config.json", folder / "fp8_extract.log"
     atomic_write_json(config, cfg.to_dict())
     log.info("fp8 extraction in a child process (bench/extract_fp8.py, output in %s)", log_path)
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()  # the GPU memory this process's earlier rows cached, for the child's two targets
     with open(log_path, "ab") as log_file:
         rc = subprocess.run([sys.executable, str(FP8_CHILD_SCRIPT), str(config)], stdout=log_file,
                             stderr=subprocess.STDOUT).returncode
