@@ -1,17 +1,32 @@
 """FP8 on load, for bench/extract_bench.py (--fp8-weights, --fp8-blocks) and the quality run's fp8-weights row: the
 target quantized in place (torchao, or DeepSeek-V3's FP8 checkpoint layout run by the project's kernels), the error
-of its captured states against bf16, and the roofline of an FP8 forward (its linears at the FP8 matmul rate)."""
+of its captured states against bf16, and the roofline of an FP8 forward (its linears at the FP8 matmul rate).
+
+    python bench/extract_fp8.py CONFIG.json     # the quality run's fp8w rows: their shards, in a process of its own
+
+As a script it extracts one data variant's shards from the target FP8 on load (extract_fp8_shards): the quality run
+(bench/train_quality_gpu.py prepare_data) starts it as a child, so torchao never enters the training process (on an
+H100, torch 2.11 + torchao 0.17, the compiled training hung in a process that had quantized a model with torchao).
+"""
 
 from __future__ import annotations
 
+import json
+import os
+import sys
 from pathlib import Path
 
-import torch
+if __name__ == "__main__":  # as a script: the repository's packages
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.extract_limits import matmul_sustained
-from eagle3.extract.backend import HFBackend
-from eagle3.extract.fused_moe import FP8_MAX
-from eagle3.flops import active_linear_params
+import torch  # noqa: E402
+
+from bench.extract_limits import matmul_sustained  # noqa: E402
+from eagle3.extract.backend import HFBackend  # noqa: E402
+from eagle3.extract.fused_moe import FP8_MAX  # noqa: E402
+from eagle3.flops import active_linear_params  # noqa: E402
+
+CHILD_RECORD = "fp8_extract.json"  # beside fp8_state_error.json: which process extracted the shards, their summaries
 
 # torchao's config quantizes nn.Linear modules: attention, dense MLPs, shared experts; transformers keeps the routed
 # experts as 3D parameters run by grouped_mm, which it does not reach
@@ -99,9 +114,8 @@ def states_error(ref_model, model, layers: list[int], dtype_name: str, ids: torc
 def fp8_extraction_backend(model_path, capture: list[int], folder: Path):
     """The real target quantized to FP8 on load (quantize_fp8), as an extraction backend (the quality run's
     fp8-weights row); beside it, the relative error of its captured states against bf16 per capture layer on 8
-    prompts of real text, written once to <folder>/fp8_state_error.json."""
-    import json
-
+    prompts of real text, written once to <folder>/fp8_state_error.json (with the pid of the process that
+    quantized)."""
     from eagle3.models import load_model, load_tokenizer
     from tests.support.selfdistill import make_prompts
 
@@ -116,10 +130,33 @@ def fp8_extraction_backend(model_path, capture: list[int], folder: Path):
         n = min(map(len, ids))
         err = states_error(ref, model, capture, dtype, torch.tensor([x[:n] for x in ids], device=device))
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps({"method": method, "tokens": 8 * n, "layers": err}, indent=2))
+        path.write_text(json.dumps({"method": method, "tokens": 8 * n, "layers": err, "pid": os.getpid()}, indent=2))
         print(f"fp8 weights ({method}): " + ", ".join(f"{e['layer']} rel L2 {e['rel_l2']:.4f}" for e in err),
               flush=True)
     return HFBackend(model=model)
+
+
+def extract_fp8_shards(config_path) -> list[dict]:
+    """Every shard of one data variant (a RunConfig's to_dict, as JSON at `config_path`: its plan and extract
+    sections) extracted from the target FP8 on load (fp8_extraction_backend), in this process; the target is loaded
+    only when a shard is left to do. Writes <extract_dir>/../fp8_extract.json: this process's pid and its parent's,
+    the shards' summaries. The quality run's child (its parent checks the shards complete and reads them)."""
+    from eagle3.config import RunConfig
+    from eagle3.extract.extractor import ShardExtractor
+    from eagle3.extract.plan import plan_shards
+    from eagle3.extract.run import extract_shard
+
+    cfg = RunConfig.from_dict(json.loads(Path(config_path).read_text()))
+    folder, t = Path(cfg.extract.extract_dir).parent, cfg.extract.target
+    specs = plan_shards(cfg.plan)
+    backend = None
+    if any(ShardExtractor(cfg.extract, spec).completed_summary() is None for spec in specs):
+        backend = fp8_extraction_backend(t.model_path, t.capture_layers, folder)
+    shards = [extract_shard(cfg.extract, spec, backend=backend) for spec in specs]
+    record = {"pid": os.getpid(), "parent_pid": os.getppid(), "loaded_target": backend is not None,
+              "torchao": "torchao" in sys.modules, "shards": shards}
+    (folder / CHILD_RECORD).write_text(json.dumps(record, indent=1))
+    return shards
 
 
 def fp8_roofline(device, dtype, n: int, seconds: float, cfg, tokens: int, flops: float) -> dict:
@@ -132,3 +169,12 @@ def fp8_roofline(device, dtype, n: int, seconds: float, cfg, tokens: int, flops:
     seconds_at_roofline = linear / fp8["sustained"] + max(flops - linear, 0.0) / dense["sustained"]
     return {"fp8_matmul": fp8, "dense_matmul": dense, "fp8_over_dense": fp8["sustained"] / dense["sustained"],
             "roofline_tok_per_s": tokens / seconds_at_roofline}
+
+
+if __name__ == "__main__":
+    import logging
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s fp8-extract %(name)s %(message)s", stream=sys.stdout)
+    if len(sys.argv) != 2:
+        sys.exit(f"usage: {sys.argv[0]} CONFIG.json (a RunConfig's to_dict)")
+    extract_fp8_shards(sys.argv[1])

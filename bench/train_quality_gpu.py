@@ -47,7 +47,6 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 
-from bench.extract_fp8 import fp8_extraction_backend  # noqa: E402
 from bench.quality_plan import (OVERRIDE_KNOBS, Clock, Variant, main_variant, plan, recipe, studies,  # noqa: E402
                                 write_table)
 from bench.quality_prompts import (  # noqa: E402
@@ -56,6 +55,7 @@ from bench.quality_prompts import (  # noqa: E402
 from eagle3.config import RunConfig, resolve  # noqa: E402
 from eagle3.errors import PipelineError  # noqa: E402
 from eagle3.evaluate.run import evaluate_phase  # noqa: E402
+from eagle3.extract.extractor import ShardExtractor  # noqa: E402
 from eagle3.extract.plan import plan_shards  # noqa: E402
 from eagle3.extract.run import extract_shard  # noqa: E402
 from eagle3.io import atomic_write_json, read_json  # noqa: E402
@@ -135,15 +135,48 @@ def row_config(args, model_path: Path, work: Path, v: Variant) -> RunConfig:
 
 def prepare_data(cfg: RunConfig, clock: Clock, weights: str = "bf16"):
     """Merge (the variant's answer parts, its length cap) and extraction (its storage dtype; from the target FP8 on
-    load when `weights` is fp8) of one data variant: (its shard folders, the merge report)."""
+    load when `weights` is fp8, in a child process: extract_fp8_child) of one data variant: (its shard folders, the
+    merge report)."""
     merged = run_merge(cfg.merge)
     t = time.time()
-    t_cfg = cfg.extract.target
-    backend = (fp8_extraction_backend(t_cfg.model_path, t_cfg.capture_layers, Path(cfg.extract.extract_dir).parent)
-               if weights == "fp8" else None)
-    shards = [extract_shard(cfg.extract, spec, backend=backend) for spec in plan_shards(cfg.plan)]
+    specs = plan_shards(cfg.plan)
+    if weights == "fp8":
+        shards = [ShardExtractor(cfg.extract, spec).completed_summary() for spec in specs]
+        if None in shards:
+            extract_fp8_child(cfg)
+            shards = [ShardExtractor(cfg.extract, spec).completed_summary() for spec in specs]
+        left = [spec.shard for spec, done in zip(specs, shards) if done is None]
+        if left:  # never extracted here: this process would load the target in bf16
+            raise PipelineError(f"fp8 extraction: the child left shard(s) {left} of {cfg.extract.extract_dir} "
+                                f"incomplete")
+    else:
+        shards = [extract_shard(cfg.extract, spec) for spec in specs]
     clock.record("extract", merged["tokens"], time.time() - t)
     return [s["shard_dir"] for s in shards], merged
+
+
+FP8_CHILD_SCRIPT = Path(__file__).resolve().parent / "extract_fp8.py"
+
+
+def extract_fp8_child(cfg: RunConfig) -> None:
+    """The variant's shards from the target FP8 on load, extracted by bench/extract_fp8.py in a child process (its
+    config as JSON in the variant's folder, its output in fp8_extract.log there): torchao never enters this one (a
+    process that had quantized with torchao hung in the compiled training: torch 2.11, torchao 0.17, H100). Its
+    failure fails the row, with the tail of its output."""
+    folder = Path(cfg.extract.extract_dir).parent
+    folder.mkdir(parents=True, exist_ok=True)
+    config, log_path = folder / "fp8_extract_config.json", folder / "fp8_extract.log"
+    atomic_write_json(config, cfg.to_dict())
+    log.info("fp8 extraction in a child process (bench/extract_fp8.py, output in %s)", log_path)
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()  # the GPU memory this process's earlier rows cached, for the child's two targets
+    with open(log_path, "ab") as log_file:
+        rc = subprocess.run([sys.executable, str(FP8_CHILD_SCRIPT), str(config)], stdout=log_file,
+                            stderr=subprocess.STDOUT).returncode
+    if rc != 0:
+        lines = [ln for ln in log_path.read_text(errors="replace").splitlines() if ln.strip()]
+        raise PipelineError(f"fp8 extraction child (bench/extract_fp8.py) exited {rc}: {lines[-1] if lines else ''} "
+                            f"(all in {log_path}); its output ends:\n" + "\n".join(lines[-20:]))
 
 
 class Runs:

@@ -212,3 +212,69 @@ def test_quality_bench_trains_on_a_second_sampled_answer_set(tmp_path, smollm2_p
     assert len(sampled) == len(greedy) > 0 and row["merged_rows"] == 2 * len(greedy)
     # sampled, not the greedy answers again
     assert [s["input_ids"] for s in sampled] != [json.loads(ln)["input_ids"] for ln in greedy]
+
+
+# run in a fresh interpreter on the fp8w row's finished data: the training process's side of prepare_data
+_FP8W_PARENT = """
+import json, sys
+from pathlib import Path
+from eagle3.extract.backend import HFBackend
+def no_load(*a, **k):
+    raise AssertionError("prepare_data loaded the target for shards already complete")
+HFBackend.load = no_load
+from bench.quality_plan import Clock
+from bench.train_quality_gpu import prepare_data
+from eagle3.config import RunConfig
+folder = Path(sys.argv[1])
+cfg = RunConfig.from_dict(json.loads((folder / "fp8_extract_config.json").read_text()))
+dirs, merged = prepare_data(cfg, Clock(1e12, folder / "clock.json"), "fp8")
+print(json.dumps({"dirs": dirs, "modules": sorted(m for m in ("torchao", "bench.extract_fp8") if m in sys.modules)}))
+"""
+
+
+@pytest.mark.slow
+def test_quality_bench_extracts_the_fp8_weights_row_in_a_child_process(tmp_path, smollm2_path):
+    """bench/train_quality_gpu.py's fp8w_first row: its shards come from bench/extract_fp8.py in a child process
+    (torchao never enters the training process: a compiled training hung in one that had quantized with it, H100);
+    with every shard complete, no child starts and no target loads; a child's failure fails with its output."""
+    import subprocess
+    import sys
+    from dataclasses import replace
+
+    from bench.train_quality_gpu import extract_fp8_child
+    from eagle3.config import RunConfig
+    from eagle3.errors import PipelineError
+
+    work, out = tmp_path / "q", tmp_path / "out"
+    proc = subprocess.Popen([sys.executable, "bench/train_quality_gpu.py", "--smoke", "--work", str(work), "--out",
+                             str(out), "--ablations", "none", "--no-main", "--studies", "fp8w_first"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    output = proc.communicate(timeout=600)[0].decode(errors="replace")
+    assert proc.returncode == 0, output[-3000:]
+    row = json.loads((out / "ablations.json").read_text())["rows"][0]
+    assert row["name"] == "fp8w_first" and row["status"] == "done" and row["tau"]
+    folder = next(work.glob("data-*-fp8w"))
+    record = json.loads((folder / "fp8_extract.json").read_text())
+    # the extraction ran in a child of the training process, which loaded (and quantized) the target
+    assert record["parent_pid"] == proc.pid and record["pid"] != proc.pid and record["loaded_target"]
+    assert json.loads((folder / "fp8_state_error.json").read_text())["pid"] == record["pid"]
+    assert [s["complete"] for s in record["shards"]] == [True]
+    assert "fp8 extraction in a child process" in output
+
+    # the training process's side again, the shards complete: no child, no target, neither torchao nor extract_fp8
+    log_size = (folder / "fp8_extract.log").stat().st_size
+    res = subprocess.run([sys.executable, "-c", _FP8W_PARENT, str(folder)], capture_output=True, text=True,
+                         timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    got = json.loads(res.stdout.strip().splitlines()[-1])
+    assert got == {"dirs": [s["shard_dir"] for s in record["shards"]], "modules": []}
+    assert (folder / "fp8_extract.log").stat().st_size == log_size
+
+    # a child that fails (no merged data to plan shards from) fails the row with the end of its output
+    cfg = RunConfig.from_dict(json.loads((folder / "fp8_extract_config.json").read_text()))
+    bad = tmp_path / "bad"
+    cfg = replace(cfg, plan=replace(cfg.plan, merge_dir=str(bad / "no-merge")),
+                  extract=replace(cfg.extract, extract_dir=str(bad / "extract")))
+    with pytest.raises(PipelineError, match=r"exited 1: .*no-merge") as e:
+        extract_fp8_child(cfg)
+    assert "fp8_extract.log); its output ends:\n" in str(e.value) and (bad / "fp8_extract_config.json").is_file()
