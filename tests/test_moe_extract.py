@@ -442,8 +442,11 @@ def test_shard_that_ran_tiles_before_experts_kernel_is_not_resumed_under_tma(tar
     m.chunks, m.complete = m.chunks[:2], False
     m.save(shard_dir)
     real = moe.resolve_experts_kernel
-    monkeypatch.setattr(moe, "resolve_experts_kernel",  # as on Hopper
-                        lambda modules, experts, kernel: real(modules, experts, "tma_w" if kernel == "auto" else kernel))
+
+    def as_on_hopper(modules, experts, kernel):
+        return real(modules, experts, "tma_w" if kernel == "auto" else kernel)
+
+    monkeypatch.setattr(moe, "resolve_experts_kernel", as_on_hopper)
     with pytest.raises(ConfigError, match="2 chunks were extracted with experts_kernel running 'tiles'.*re-run with "
                                           "experts_kernel='tiles'"):
         run(targets["qwen3_moe"], tmp_path / "cut", spec, **fused)
