@@ -229,8 +229,10 @@ def experts_block_rates(experts, counts: np.ndarray, x: torch.Tensor, flops: flo
     ids = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts))
     idx = ids[torch.randperm(len(ids), generator=g)].view(tokens, k).to(device)
     w = torch.rand(tokens, k, generator=g).to(device=device, dtype=x.dtype)
+    kernel = getattr(experts, fused_moe.KERNEL_ATTR, None) or "tiles"  # what the last load's experts_kernel ran
     runs = {"grouped_mm": lambda: grouped_mm_experts_forward(experts, x, idx, w),
-            fused_moe.NAME: lambda: fused_moe.fused_experts(x, idx, w, experts.gate_up_proj, experts.down_proj)}
+            fused_moe.NAME: lambda: fused_moe.fused_experts(x, idx, w, experts.gate_up_proj, experts.down_proj,
+                                                            experts_kernel=kernel)}
     out, results = {}, {}
     reps = reps if torch.device(device).type == "cuda" else 1  # the CPU interprets the Triton kernels: slow, no figure
     for name, fn in runs.items():

@@ -8,7 +8,7 @@ Rows (each: relative L2 error against the definition and the time of one call, m
 - experts-bf16 / experts-fp8: the fused routed experts of one batch at the Qwen3-30B-A3B and DeepSeek-V3 widths,
   as FLOP/s of their GEMMs, beside transformers' grouped_mm path on the same batch (bf16), each autotune config of
   the two kernels (the autotuner's own timings) and one dense GEMM of each kernel's rows (the rate to aim at);
-  beside them the TMA / persistent kernels (eagle3/extract/fused_moe_tma.py, fused_moe.KERNEL "tma" and
+  beside them the TMA / persistent kernels (eagle3/extract/fused_moe_tma.py, fused_experts experts_kernel "tma" and
   "tma_w"): `tma_*` / `tma_w_*` rows, each kernel timed alone (`*_gate_up_tflops`, `*_down_tflops`; "tma"'s
   gate_up with its row gather, timed alone too as `tma_gather_ms`), the whole step (`*_tflops`, against
   `bf16_tflops`) and their autotune configs' rates (`*_tiles`);
@@ -91,24 +91,24 @@ def tile_rates(fp8: bool, pairs: int, hidden: int, width: int) -> dict:
 
 
 def tma_rows(mode, x, idx, w, up, dn, want, flops, device, reps) -> dict:
-    """fused_moe.KERNEL = mode (the TMA / persistent kernels) on the batch of the bf16 row: its error against the
-    same reference, and on a GPU its rates, whole and per kernel, and its autotune configs'. An error is a row
-    (the kernels' first runs on a GPU are here)."""
+    """fused_experts(experts_kernel=mode) (the TMA / persistent kernels) on the batch of the bf16 row: its error
+    against the same reference, and on a GPU its rates, whole and per kernel, and its autotune configs'. An error
+    is a row (the kernels' first runs on a GPU are here)."""
     from eagle3.extract import fused_moe_tma as ft
 
     tokens, hidden, width, k = x.shape[0], x.shape[1], dn.shape[2], idx.shape[1]
     gu_flops, down_flops = 2.0 * tokens * k * hidden * 2 * width, 2.0 * tokens * k * width * hidden
-    out, before = {}, fused_moe.KERNEL
+    out = {}
     try:
-        fused_moe.KERNEL = mode
         if not ft.runs(x, up, dn):
             return {mode: "widths or dtype the TMA kernels do not take"}
         poison(device, x.numel() * k * 4)
-        got = fused_moe.fused_experts(x, idx, w, up, dn)
+        got = fused_moe.fused_experts(x, idx, w, up, dn, experts_kernel=mode)
         out[f"{mode}_rel_l2"], out[f"{mode}_nan"] = rel(got, want), bool(got.isnan().any())
         if device.type != "cuda":
             return out
-        out[f"{mode}_tflops"] = flops / timed(lambda: fused_moe.fused_experts(x, idx, w, up, dn), device, reps) / 1e12
+        out[f"{mode}_tflops"] = flops / timed(lambda: fused_moe.fused_experts(x, idx, w, up, dn, experts_kernel=mode),
+                                              device, reps) / 1e12
         block_m = fused_moe.block_m_for(idx.numel(), up.shape[0], device)
         pairs, block_expert, live = ft.plan(idx, up.shape[0], block_m, False)
         weights = w.reshape(-1).contiguous()
@@ -128,8 +128,6 @@ def tma_rows(mode, x, idx, w, up, dn, want, flops, device, reps) -> dict:
                                 (("gate_up", ft.gpu_kernels()[0], gu_flops), ("down", ft.gpu_kernels()[1], down_flops))}
     except Exception as e:  # noqa: BLE001 (first runs on a GPU: the row says what failed, the other rows go on)
         out[mode] = f"{type(e).__name__}: {str(e)[:300]}"
-    finally:
-        fused_moe.KERNEL = before
     return out
 
 

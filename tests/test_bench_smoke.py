@@ -142,7 +142,7 @@ def test_kernels_check_smoke_checks_each_kernel_against_its_definition(tmp_path)
     res = json.loads(out.read_text())
     for row in res["experts"].values():
         assert row["bf16_rel_l2"] < 0.02 and row["fp8_rel_l2"] < 0.05 and not row["bf16_nan"] and not row["fp8_nan"]
-        for mode in ("tma", "tma_w"):  # the TMA / persistent kernels (fused_moe.KERNEL), the same batch
+        for mode in ("tma", "tma_w"):  # the TMA / persistent kernels (fused_experts experts_kernel=), the same batch
             assert row[f"{mode}_rel_l2"] < 0.02 and not row[f"{mode}_nan"], row
     assert all(r["rel_l2"] < 0.01 and not r["nan"] for r in res["linears"].values()) and res["linears"]
     assert all(q["bytes_equal"] and q["values_equal_at_kernel_scales"] for q in res["quantize"].values())

@@ -1,4 +1,4 @@
-"""The TMA / persistent experts kernels (eagle3/extract/fused_moe_tma.py, fused_moe.KERNEL "tma" and "tma_w") on
+"""The TMA / persistent experts kernels (eagle3/extract/fused_moe_tma.py, experts_kernel "tma" and "tma_w") on
 the CPU: in Triton's interpreter against the float64 sum over pairs (empty experts, experts whose rows are not whole
 blocks, several column tiles, programs looping over several tiles, expert parallel sentinels), the fallbacks, and
 every autotune config compiled for sm_90 without a GPU (TMA loads, warpgroup MMAs, shared memory, registers)."""
@@ -49,21 +49,20 @@ def test_tma_kernels_equal_the_sum_over_pairs(mode, tokens, skew, dtype, atol, t
         monkeypatch.setattr(fused_moe, "block_m_for", lambda *a: 16)
         monkeypatch.setattr(fused_moe_tma, "CPU_TILES", {"BLOCK_K": 32, "GROUP_M": 3, "PROGRAMS": 2})
         monkeypatch.setattr(fused_moe_tma, "cpu_block_n", lambda n: 16)
-    monkeypatch.setattr(fused_moe, "KERNEL", mode)
     ran = spy(monkeypatch)
     x, idx, weights, gate_up, down = inputs(tokens, skew, dtype, tokens)
-    got = fused_moe.fused_experts(x, idx, weights, gate_up, down)
+    got = fused_moe.fused_experts(x, idx, weights, gate_up, down, experts_kernel=mode)
     assert ran == [mode] and got.dtype == dtype and got.shape == x.shape
     want = experts_by_pair(x, idx, weights, gate_up, down)
     torch.testing.assert_close(got.double(), want, rtol=1e-2, atol=atol)
-    assert torch.equal(fused_moe.fused_experts(x, idx, weights, gate_up, down), got)  # no atomics
+    again = fused_moe.fused_experts(x, idx, weights, gate_up, down, experts_kernel=mode)
+    assert torch.equal(again, got)  # no atomics
 
 
 @pytest.mark.parametrize("mode", fused_moe_tma.MODES)
 def test_tma_kernels_pairs_of_other_ranks_add_nothing(mode, monkeypatch):
     """transformers' expert parallel sentinels (ids >= E): their group comes after the last expert's, no tile runs
     it (the live block count stops before), and their rows of the pair-order output stay zero."""
-    monkeypatch.setattr(fused_moe, "KERNEL", mode)
     monkeypatch.setattr(fused_moe, "block_m_for", lambda *a: 16)
     g = torch.Generator().manual_seed(7)
     x, _, weights, gate_up, down = inputs(41, False, torch.float32, 7)
@@ -71,7 +70,8 @@ def test_tma_kernels_pairs_of_other_ranks_add_nothing(mode, monkeypatch):
     here = global_idx < E
     local_idx = torch.where(here, global_idx, E + global_idx % E)
     ran = spy(monkeypatch)
-    got = fused_moe.fused_experts(x, local_idx, weights * here, gate_up, down, expert_parallel=True)
+    got = fused_moe.fused_experts(x, local_idx, weights * here, gate_up, down, expert_parallel=True,
+                                  experts_kernel=mode)
     assert ran == [mode] and torch.isfinite(got).all()
     pairs, block_expert, live = fused_moe_tma.plan(local_idx, E, 16, True)
     assert (block_expert[: int(live)] < E).all() and (block_expert[int(live):] >= E).all()
@@ -80,25 +80,22 @@ def test_tma_kernels_pairs_of_other_ranks_add_nothing(mode, monkeypatch):
 
 
 def test_fp8_and_untileable_widths_stay_on_the_tiles_kernels(monkeypatch):
-    """KERNEL "tma" leaves FP8 weights and widths that are not whole 16-column tiles (64 on a GPU) to the old
+    """kernel "tma" leaves FP8 weights and widths that are not whole 16-column tiles (64 on a GPU) to the old
     kernels, and names the values it takes when given another."""
-    monkeypatch.setattr(fused_moe, "KERNEL", "tma")
     ran = spy(monkeypatch)
     g = torch.Generator().manual_seed(2)
     w1, s1 = fused_moe.quantize_blocks(torch.randn(3, 256, 128, generator=g) * 0.05)
     w2, s2 = fused_moe.quantize_blocks(torch.randn(3, 128, 128, generator=g) * 0.05)
     x, idx = torch.randn(9, 128, generator=g), torch.stack([torch.randperm(3, generator=g)[:2] for _ in range(9)])
     weights = torch.rand(9, 2, generator=g)
-    got = fused_moe.fused_experts(x, idx, weights, w1, w2, s1, s2)
+    got = fused_moe.fused_experts(x, idx, weights, w1, w2, s1, s2, experts_kernel="tma")
     x2, idx2, weights2, up2, down2 = x[:, :40], idx, weights, torch.randn(3, 2 * 24, 40), torch.randn(3, 40, 24)
-    got2 = fused_moe.fused_experts(x2, idx2, weights2, up2, down2)
+    got2 = fused_moe.fused_experts(x2, idx2, weights2, up2, down2, experts_kernel="tma")
     assert ran == []
-    monkeypatch.setattr(fused_moe, "KERNEL", "tiles")
-    assert torch.equal(got, fused_moe.fused_experts(x, idx, weights, w1, w2, s1, s2))
+    assert torch.equal(got, fused_moe.fused_experts(x, idx, weights, w1, w2, s1, s2))  # "tiles", the default
     assert torch.equal(got2, fused_moe.fused_experts(x2, idx2, weights2, up2, down2))
-    monkeypatch.setattr(fused_moe, "KERNEL", "tmaa")
     with pytest.raises(ValueError, match="'tiles', 'tma', 'tma_w'"):
-        fused_moe.fused_experts(*inputs(3, False, torch.float32, 1))
+        fused_moe.fused_experts(*inputs(3, False, torch.float32, 1), experts_kernel="tmaa")
 
 
 def test_gpu_widths_the_column_tiles_divide():

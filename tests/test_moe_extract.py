@@ -5,9 +5,11 @@ counter), the experts kernel and compile scope chosen from the model's config, t
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 import textwrap
+import types
 from pathlib import Path
 
 import pytest
@@ -15,7 +17,7 @@ import torch
 
 from eagle3.errors import ConfigError
 from eagle3.extract import moe
-from eagle3.extract.config import COMPILE_SCOPES, EXPERTS_CHOICES, ExtractConfig
+from eagle3.extract.config import COMPILE_SCOPES, EXPERTS_CHOICES, EXPERTS_KERNEL_CHOICES, ExtractConfig
 from eagle3.extract.format import ShardManifest
 from eagle3.extract.reader import HiddenStateReader
 from eagle3.extract.run import extract_shard
@@ -164,7 +166,8 @@ def test_resume_refuses_auto_running_other_kernels(targets, merged, tmp_path, mo
         run(targets["qwen3_moe"], tmp_path / "cut", spec)
     shard = tmp_path / "cut" / "shard-00000"
     assert ShardManifest.load(shard).params["kernels"] == {"experts_implementation": "grouped_mm",
-                                                           "fp8_linear": None}  # the CPU's fallback
+                                                           "fp8_linear": None,
+                                                           "experts_kernel": None}  # the CPU's fallback
     monkeypatch.setattr(moe, "FALLBACK_EXPERTS", "batched_mm")  # as another version's default would
     with pytest.raises(ConfigError, match="2 chunks were extracted with experts_implementation running "
                                           "'grouped_mm'.*re-run with experts_implementation='grouped_mm'"):
@@ -181,6 +184,7 @@ def test_class_defaults_and_refusals(targets):
     from eagle3.models import load_model
 
     assert EXPERTS_CHOICES == moe.EXPERTS_CHOICES and COMPILE_SCOPES == moe.COMPILE_SCOPES
+    assert EXPERTS_KERNEL_CHOICES == moe.EXPERTS_KERNELS
     ds, llama = load_model(targets["deepseek_v3"]), load_model(targets["llama"])
     assert moe.resolve(ds, "auto", "auto") == {"class": "moe-mla", "experts_implementation": "grouped_mm",
                                                "compile_scope": "layers", "compile_mode": "default"}
@@ -334,16 +338,17 @@ def test_max_autotune_compiled_moe_states_equal_output_hidden_states(targets, me
 
 
 def test_shard_from_before_the_added_state_params_resumes_with_their_old_values(targets, merged, tmp_path):
-    """A shard cut mid-way whose manifest records none of experts_implementation, compile_mode and fp8_linear
-    (written before they existed) resumes with auto, default and auto, byte-identical; another value is refused,
-    naming the param."""
+    """A shard cut mid-way whose manifest records none of experts_implementation, compile_mode, fp8_linear and
+    experts_kernel (written before they existed) resumes with auto, default, auto and auto, byte-identical; another
+    value is refused, naming the param."""
     spec, _ = merged
     whole = run(targets["qwen3_moe"], tmp_path / "whole", spec)
     cut = run(targets["qwen3_moe"], tmp_path / "cut", spec)
     shard_dir = Path(cut["shard_dir"])
     m = ShardManifest.load(shard_dir)
-    for name in ("experts_implementation", "compile_mode", "fp8_linear"):
+    for name in ("experts_implementation", "compile_mode", "fp8_linear", "experts_kernel"):
         del m.params["states"][name]
+    del m.params["kernels"]["experts_kernel"]
     for c in m.chunks[2:]:
         (shard_dir / c.file).unlink()
     m.chunks, m.complete = m.chunks[:2], False
@@ -353,6 +358,106 @@ def test_shard_from_before_the_added_state_params_resumes_with_their_old_values(
     resumed = run(targets["qwen3_moe"], tmp_path / "cut", spec)
     assert resumed["resumed_from_chunk"] == 2 and resumed["complete"]
     assert chunk_bytes(shard_dir) == chunk_bytes(Path(whole["shard_dir"]))
+
+
+class FakeWeight:
+    """What experts_kernel's resolution reads of a weight (shape, dtype, device), on a device this machine lacks."""
+
+    def __init__(self, *shape, dtype=torch.bfloat16, device="cuda:0"):
+        self.shape, self.dtype, self.device = shape, dtype, torch.device(device)
+
+
+def fake_experts(hidden: int, width: int, **kw):
+    return types.SimpleNamespace(gate_up_proj=FakeWeight(8, 2 * width, hidden, **kw),
+                                 down_proj=FakeWeight(8, hidden, width, **kw))
+
+
+def test_experts_kernel_resolves_per_device_dtype_and_widths(targets, monkeypatch):
+    """auto: tma_w on Hopper for bf16/fp16 experts, tiles on older GPUs, on the CPU, for FP8 experts and for widths
+    the TMA kernels cannot tile; an explicit TMA kernel runs on the CPU (the interpreter), is refused below sm_90,
+    naming the param, and falls back to tiles for FP8 experts; None where the fused experts do not run."""
+    pytest.importorskip("triton")
+    from eagle3.extract import fused_moe
+    from eagle3.models import load_model
+
+    with pytest.raises(ConfigError, match="experts_kernel"):  # the config's own check, naming the param
+        phase(ExtractConfig, model_path="m", extract_dir="x", experts_kernel="tma_x")
+    resolve, fused = moe.resolve_experts_kernel, fused_moe.NAME
+    cpu = moe.experts_modules(load_model(targets["qwen3_moe"]))
+    assert [resolve(cpu, fused, k) for k in moe.EXPERTS_KERNELS] == ["tiles", "tiles", "tma", "tma_w"]
+    assert resolve(cpu, "grouped_mm", "tma_w") is None and resolve([], fused, "auto") is None
+    with pytest.raises(ConfigError, match="extract param experts_kernel='tma_x'"):
+        resolve(cpu, fused, "tma_x")
+    qwen3, dsv3 = [fake_experts(2048, 768)], [fake_experts(7168, 2048)]  # Qwen3-30B-A3B / DeepSeek-V3 widths
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    assert resolve(qwen3, fused, "auto") == resolve(dsv3, fused, "auto") == "tma_w"
+    assert resolve(qwen3, fused, "tma") == "tma" and resolve(qwen3, fused, "tiles") == "tiles"
+    assert resolve([fake_experts(320, 768)], fused, "auto") == "tiles"  # no down tile divides 320
+    assert resolve([fake_experts(2048, 768, dtype=torch.float32)], fused, "tma_w") == "tiles"
+    assert resolve([fake_experts(2048, 768, dtype=torch.float8_e4m3fn)], fused, "tma_w") == "tiles"  # FP8
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    assert resolve(qwen3, fused, "auto") == "tiles"
+    with pytest.raises(ConfigError, match="extract param experts_kernel='tma_w': the TMA kernels need a Hopper"):
+        resolve(qwen3, fused, "tma_w")
+    fp8 = load_model(targets["qwen3_moe"])  # float8 experts (widths under one 128 x 128 block: the dtype alone)
+    for module in moe.experts_modules(fp8):
+        module.gate_up_proj = torch.nn.Parameter(module.gate_up_proj.to(torch.float8_e4m3fn), requires_grad=False)
+    assert moe.apply_experts_kernel(fp8, fused, "tma_w") == "tiles"
+    assert all(getattr(m, fused_moe.KERNEL_ATTR) == "tiles" for m in moe.experts_modules(fp8))
+
+
+def test_tma_w_extraction_states_equal_the_reference_and_record_the_kernel(targets, merged, tmp_path, monkeypatch):
+    """experts_kernel="tma_w" runs the TMA kernels (in the interpreter) through the whole extractor: the states
+    equal output_hidden_states, the manifest records the kernel, and a resume under another is refused."""
+    pytest.importorskip("triton")
+    from eagle3.extract import fused_moe_tma
+    from eagle3.models import load_model
+
+    modes, real = [], fused_moe_tma.experts
+    monkeypatch.setattr(fused_moe_tma, "experts", lambda *a: modes.append(a[6]) or real(*a))
+    spec, samples = merged
+    out = run(targets["qwen3_moe"], tmp_path, spec, experts_implementation="triton_fused", experts_kernel="tma_w")
+    m = ShardManifest.load(Path(out["shard_dir"]))
+    assert out["complete"] and set(modes) == {"tma_w"} and len(modes) >= len(m.chunks) * 5
+    assert m.params["kernels"]["experts_kernel"] == "tma_w" and m.params["states"]["experts_kernel"] == "tma_w"
+    assert_states_equal_reference(load_model(targets["qwen3_moe"]), Path(out["shard_dir"]), samples, atol=1e-4)
+    with pytest.raises(ConfigError, match="experts_kernel='tma_w'"):
+        run(targets["qwen3_moe"], tmp_path, spec, experts_implementation="triton_fused", experts_kernel="tiles")
+
+
+def test_shard_that_ran_tiles_before_experts_kernel_is_not_resumed_under_tma(targets, merged, tmp_path,
+                                                                              monkeypatch):
+    """A shard cut mid-way whose kernel record predates experts_kernel ran the tiles kernels under triton_fused:
+    where auto would run tma_w (Hopper), its resume is refused naming experts_kernel='tiles', and that value resumes
+    it byte-identical, its fingerprint unchanged."""
+    pytest.importorskip("triton")
+    spec, _ = merged
+    fused = {"experts_implementation": "triton_fused"}
+    whole = run(targets["qwen3_moe"], tmp_path / "whole", spec, **fused)
+    shard_dir = tmp_path / "cut" / Path(whole["shard_dir"]).name
+    shutil.copytree(whole["shard_dir"], shard_dir)
+    m = ShardManifest.load(shard_dir)
+    assert m.params["kernels"]["experts_kernel"] == "tiles"  # auto on the CPU
+    del m.params["states"]["experts_kernel"], m.params["kernels"]["experts_kernel"]
+    for c in m.chunks[2:]:
+        (shard_dir / c.file).unlink()
+    m.chunks, m.complete = m.chunks[:2], False
+    m.save(shard_dir)
+    real = moe.resolve_experts_kernel
+
+    def as_on_hopper(modules, experts, kernel):
+        return real(modules, experts, "tma_w" if kernel == "auto" else kernel)
+
+    monkeypatch.setattr(moe, "resolve_experts_kernel", as_on_hopper)
+    with pytest.raises(ConfigError, match="2 chunks were extracted with experts_kernel running 'tiles'.*re-run with "
+                                          "experts_kernel='tiles'"):
+        run(targets["qwen3_moe"], tmp_path / "cut", spec, **fused)
+    resumed = run(targets["qwen3_moe"], tmp_path / "cut", spec, experts_kernel="tiles", **fused)
+    assert resumed["resumed_from_chunk"] == 2 and resumed["complete"]
+    assert chunk_bytes(shard_dir) == chunk_bytes(Path(whole["shard_dir"]))
+    m = ShardManifest.load(shard_dir)
+    assert "experts_kernel" not in m.params["states"] and m.params["kernels"]["experts_kernel"] == "tiles"
+    assert m.fingerprint == ShardManifest.load(Path(whole["shard_dir"])).fingerprint
 
 
 TASK = textwrap.dedent("""

@@ -173,9 +173,10 @@ class HFBackend:
 
     def __init__(self, model=None, info: ModelInfo | None = None, compile: bool = False, attention: str = "auto",
                  tp_plan: str | None = None, experts: str = "auto", compile_scope: str = "auto",
-                 compile_mode: str = "auto", fp8_linear: str = "auto"):
+                 compile_mode: str = "auto", fp8_linear: str = "auto", experts_kernel: str = "auto"):
         self.model = model  # a preloaded *ForCausalLM (the benchmark builds random-weight ones)
         self.experts, self.compile_scope = experts, compile_scope  # eagle3.extract.moe
+        self.experts_kernel = experts_kernel  # the fused experts' GEMMs (eagle3.extract.moe.resolve_experts_kernel)
         self.fp8_linear = fp8_linear  # an FP8 checkpoint's linears (eagle3.extract.fp8_linear)
         self.resolved: dict = {}
         self.tp_plan = tp_plan
@@ -192,6 +193,8 @@ class HFBackend:
         load_decoder(self, model_path, dtype, device, capture_layers, tp_plan=self.tp_plan)
         self.resolved = moe.resolve(self.model, self.experts, self.compile_scope, self.compile_mode)
         moe.apply_experts_implementation(self.model, self.resolved["experts_implementation"])
+        self.resolved["experts_kernel"] = moe.apply_experts_kernel(
+            self.model, self.resolved["experts_implementation"], self.experts_kernel)
         self.resolved["fp8_linear"] = fp8_linear.apply(self.model, self.fp8_linear)
         # flash on MLA (v heads narrower than q/k): v zero-padded (eagle3.extract.attention)
         self.attn_implementation = apply_attention(self.model, self.attention)

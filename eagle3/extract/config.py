@@ -30,11 +30,15 @@ EXPERTS_CHOICES = ("auto", "eager", "batched_mm", "grouped_mm", "triton_fused")
 COMPILE_SCOPES = ("auto", "layers", "moe-blocks")
 COMPILE_MODES = ("auto", "default", "max-autotune-no-cudagraphs")  # eagle3.extract.backend's (a test holds them equal)
 FP8_LINEAR_CHOICES = ("auto", "transformers", "triton", "scaled_mm")  # = eagle3.extract.fp8_linear.CHOICES (tested)
+EXPERTS_KERNEL_CHOICES = ("auto", "tiles", "tma", "tma_w")  # = eagle3.extract.moe.EXPERTS_KERNELS (tested)
 STATE_PARAMS = ("model_path", "capture_layers", "dtype", "storage_dtype", "backend", "attention",
-                "experts_implementation", "compile_mode", "fp8_linear")
+                "experts_implementation", "compile_mode", "fp8_linear", "experts_kernel")
 # state params added after shards were extracted without them: what those shards ran with (an FP8 checkpoint's
-# linears ran transformers' hub kernels before fp8_linear; a shard of one that resumes offline needs "auto" anyway)
-ADDED_STATE_PARAMS = {"experts_implementation": "auto", "compile_mode": "default", "fp8_linear": "auto"}
+# linears ran transformers' hub kernels before fp8_linear; a shard of one that resumes offline needs "auto" anyway;
+# the fused experts ran the tiles kernels under "auto" before experts_kernel: the extractor reads that from the
+# manifest's kernel record, eagle3.extract.extractor.kernels_ran)
+ADDED_STATE_PARAMS = {"experts_implementation": "auto", "compile_mode": "default", "fp8_linear": "auto",
+                      "experts_kernel": "auto"}
 PLAN_PARAMS = ("token_budget", "chunk_mb", "pad_multiple")
 # a number or "auto", resolved where the task runs (eagle3.extract.extractor.resolve_for_device)
 DEVICE_AUTO_PARAMS = PLAN_PARAMS
@@ -110,6 +114,16 @@ class ExtractConfig:
                                 "triton: the project's (eagle3.extract.fp8_linear, no hub); scaled_mm: torch's "
                                 "block-scaled FP8 GEMM (Hopper); transformers: its finegrained-fp8 or DeepGEMM "
                                 "kernels, fetched from the hub; auto = scaled_mm where it runs, else triton.")
+    # a state param: the kernels sum in another order (eagle3.extract.fused_moe_tma)
+    experts_kernel: str = knob("auto", choices=EXPERTS_KERNEL_CHOICES,
+                               help="experts_implementation triton_fused only: the structure of the bf16/fp16 "
+                                    "experts GEMMs. tiles: one program a tile, A's rows gathered by pointer loads "
+                                    "(eagle3.extract.fused_moe_kernels); tma: A gathered once into a sorted "
+                                    "buffer, A and W through TMA on a persistent grid; tma_w: W through TMA, A "
+                                    "pointer-gathered (eagle3.extract.fused_moe_tma; Hopper, or the CPU's "
+                                    "interpreter); auto = tma_w on Hopper (1.11-1.13x tiles on the whole experts "
+                                    "step, H100, 2026-12-06), tiles elsewhere. FP8 experts, and widths TMA cannot "
+                                    "tile, run tiles.")
     compile_cache_dir: str = knob("auto", help="torch's compile caches, shared by the shard tasks of a worker: auto "
                                                "= $EAGLE3_COMPILE_CACHE or ~/.cache/eagle3/compile/<host>; off = "
                                                "torch's default; else a folder (eagle3.extract.compile_cache).")

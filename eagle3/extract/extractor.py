@@ -46,15 +46,16 @@ from eagle3.models import model_info
 log = logging.getLogger(__name__)
 
 STORAGE_DTYPES = {**DTYPES, FP8: torch.float8_e4m3fn}
-KERNEL_PARAMS = ("experts_implementation", "fp8_linear")  # state params whose "auto" is resolved at load (backend)
+# state params whose "auto" is resolved at load (backend)
+KERNEL_PARAMS = ("experts_implementation", "fp8_linear", "experts_kernel")
 BACKENDS = {"hf": HFBackend, "fused-llama": FusedLlamaBackend}
 
 
 def backend_options(cfg: ExtractConfig) -> dict:
     """The ExtractConfig values a backend of `cfg.backend` is built with (the MoE and FP8 options are the hf
     backend's)."""
-    moe = ({"experts": cfg.experts_implementation, "compile_scope": cfg.compile_scope, "fp8_linear": cfg.fp8_linear}
-           if cfg.backend == "hf" else {})
+    moe = ({"experts": cfg.experts_implementation, "compile_scope": cfg.compile_scope, "fp8_linear": cfg.fp8_linear,
+            "experts_kernel": cfg.experts_kernel} if cfg.backend == "hf" else {})
     return {"compile": cfg.compile, "attention": cfg.attention, "compile_mode": cfg.compile_mode, **moe}
 
 
@@ -85,6 +86,15 @@ def resolve_compile_mode(cfg: ExtractConfig, backend: ExtractionBackend | None =
     model = getattr(backend, "model", None)
     config = model.config.to_dict() if model is not None else load_config(cfg.target.model_path)
     return dataclasses.replace(cfg, compile_mode=moe.class_compile_mode(config, "auto"))
+
+
+def kernels_ran(m: ShardManifest) -> dict | None:
+    """The manifest's record of what the kernel params ran (None: chunks from before the record). A record from
+    before experts_kernel: the fused experts ran the tiles kernels, the only ones then."""
+    ran = m.params.get("kernels")
+    if ran is None or "experts_kernel" in ran:
+        return ran
+    return {**ran, "experts_kernel": "tiles" if ran.get("experts_implementation") == moe.fused_moe.NAME else None}
 
 
 @dataclass(frozen=True)
@@ -165,7 +175,7 @@ class ShardExtractor:
         if not isinstance(old, dict):
             raise ConfigError(f"{path}: {len(m.chunks)} chunks were committed by an older version that recorded "
                               f"no state params; delete {self.shard_dir} to extract the shard again")
-        old, ran = {**ADDED_STATE_PARAMS, **old}, m.params.get("kernels", {})
+        old, ran = {**ADDED_STATE_PARAMS, **old}, kernels_ran(m) or {}
         for name, new in self.states.items():
             if old.get(name) == "auto" and name in ran and new == ran[name]:
                 self.states[name] = "auto"  # an explicit value naming what "auto" ran: the same states
@@ -183,7 +193,7 @@ class ShardExtractor:
         run other kernels over them is refused, naming the value that runs theirs; a manifest from before the
         record resumes unchecked."""
         now = {k: v for k, v in getattr(backend, "resolved", {}).items() if k in KERNEL_PARAMS}
-        ran = m.params.get("kernels")
+        ran = kernels_ran(m)
         if m.chunks and ran is None:
             return  # chunks from before the record: what ran is not known, so nothing is recorded for them
         for name in KERNEL_PARAMS if m.chunks else ():

@@ -14,19 +14,17 @@ Pairs are grouped per expert in blocks of BLOCK_M rows, each expert's group padd
 FP8 weights in 128 x 128 blocks (DeepSeek-V3's FP8 checkpoint) run as float8 MMAs, each GEMM's input quantized per
 token and 128 values first (`quantize_groups`).
 
-`KERNEL` picks the bf16/fp16 GEMMs' structure: "tiles" (the default: fused_moe_kernels, one program a tile, A's
-rows gathered by pointer loads), "tma" or "tma_w" (eagle3.extract.fused_moe_tma: tensor descriptors and a persistent
-schedule, for Hopper; "tma" gathers A's rows once into a contiguous buffer first). Set it before the first call, or
-by the environment variable EAGLE3_FUSED_MOE_KERNEL; FP8 weights, and widths the TMA kernels cannot tile, stay on
-"tiles". bench/kernels_check.py --rows experts measures them side by side.
+`experts_kernel` picks the bf16/fp16 GEMMs' structure: "tiles" (fused_moe_kernels, one program a tile, A's rows
+gathered by pointer loads), "tma" or "tma_w" (eagle3.extract.fused_moe_tma: tensor descriptors and a persistent
+schedule, for Hopper; "tma" gathers A's rows once into a contiguous buffer first). The extract param of that name
+chooses it (eagle3.extract.moe.apply_experts_kernel sets it on each experts module, KERNEL_ATTR); FP8 weights, and
+widths the TMA kernels cannot tile, stay on "tiles". bench/kernels_check.py --rows experts measures them side by side.
 
 On the CPU the same kernels run in Triton's interpreter (the tests, and the CPU path of the extractor). Its dot of
 bf16 tiles is wrong (triton 3.9 holds bf16 as uint16 in numpy), so there the tiles go to fp32 first (UPCAST).
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 
@@ -37,7 +35,8 @@ PARAM = f"extract param experts_implementation={NAME!r}"
 WEIGHT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 FP8_BLOCK = 128  # DeepSeek-V3's FP8 checkpoint: 128 x 128 weight blocks
 FP8_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
-KERNEL = os.environ.get("EAGLE3_FUSED_MOE_KERNEL", "tiles")  # "tiles", "tma" or "tma_w" (the docstring above)
+KERNELS = ("tiles", "tma", "tma_w")  # the bf16/fp16 GEMMs' structures (the docstring above)
+KERNEL_ATTR = "_eagle3_experts_kernel"  # on an experts module: the one its calls run (default "tiles")
 
 
 def kernels(device: torch.device, fp8: bool = False):
@@ -131,25 +130,27 @@ def quantize_experts(module) -> None:
 @torch.library.custom_op("eagle3::triton_fused_experts", mutates_args=())
 def fused_experts(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, gate_up_proj: torch.Tensor,
                   down_proj: torch.Tensor, gate_up_scale: torch.Tensor | None = None,
-                  down_scale: torch.Tensor | None = None, expert_parallel: bool = False) -> torch.Tensor:
+                  down_scale: torch.Tensor | None = None, expert_parallel: bool = False,
+                  experts_kernel: str = "tiles") -> torch.Tensor:
     """The routed experts' sum for tokens x [T, H]: sum_j weight[t, j] * down(SiLU(gate) * up)(x[t]) through expert
     top_k_index[t, j]; gate_up_proj [E, 2I, H], down_proj [E, H, I] (transformers' layout). With scales the
     weights are float8 in 128 x 128 blocks (w = w_q * scale, scale [E, out / 128, in / 128]) and the GEMMs run in
     FP8, their inputs quantized per token and 128 values (`quantize_groups`). `expert_parallel`: this rank holds
     experts 0..E-1 of its share, an id >= E is an expert of another rank (transformers' EP sentinel), whose pair
-    adds nothing here (the ranks' sums are all-reduced after)."""
+    adds nothing here (the ranks' sums are all-reduced after). `experts_kernel`: one of KERNELS, for bf16/fp16
+    weights (not named `kernel`: Inductor's fallback for custom ops takes that name itself)."""
     x = x.contiguous()
     t, hidden = x.shape
     top_k, (num_experts, two_i, _) = top_k_index.shape[-1], gate_up_proj.shape
     width, s = two_i // 2, t * top_k
     fp8 = gate_up_scale is not None
     block_m = block_m_for(s, num_experts, x.device)
-    if KERNEL != "tiles" and not fp8:
+    if experts_kernel != "tiles" and not fp8:
         from eagle3.extract import fused_moe_tma
 
         if fused_moe_tma.runs(x, gate_up_proj, down_proj):
             return fused_moe_tma.experts(x, top_k_index, top_k_weights, gate_up_proj, down_proj, expert_parallel,
-                                         KERNEL, block_m)
+                                         experts_kernel, block_m)
     pairs, block_expert = align_pairs(top_k_index, num_experts, block_m, elsewhere=expert_parallel)
     num_blocks = block_expert.numel()
     gate_up, down, tiles = kernels(x.device, fp8)
@@ -179,18 +180,18 @@ def fused_experts(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: tor
 
 @fused_experts.register_fake
 def _(x, top_k_index, top_k_weights, gate_up_proj, down_proj, gate_up_scale=None, down_scale=None,
-      expert_parallel=False):
+      expert_parallel=False, experts_kernel="tiles"):
     return torch.empty_like(x)
 
 
 def experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                     top_k_weights: torch.Tensor) -> torch.Tensor:
     """transformers' experts interface: the module's own weights (and an FP8 checkpoint's block scales) through
-    `fused_experts`."""
+    `fused_experts`, through the kernel set on the module (KERNEL_ATTR)."""
     fp8 = self.gate_up_proj.dtype == torch.float8_e4m3fn
     return fused_experts(hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj,
                          self.gate_up_proj_scale_inv if fp8 else None, self.down_proj_scale_inv if fp8 else None,
-                         getattr(self, "_is_expert_parallel", False))
+                         getattr(self, "_is_expert_parallel", False), getattr(self, KERNEL_ATTR, "tiles"))
 
 
 def weights_ok(module) -> bool:

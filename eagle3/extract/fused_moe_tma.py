@@ -1,5 +1,6 @@
 """The routed experts' bf16/fp16 GEMMs restructured for Hopper: tensor descriptors (TMA) and a persistent schedule.
-Selected by `fused_moe.KERNEL` ("tma" or "tma_w"; the default "tiles" keeps fused_moe_kernels' kernels).
+Selected by the extract param experts_kernel ("tma" or "tma_w"; "tiles" keeps fused_moe_kernels' kernels; "auto"
+runs "tma_w" on Hopper: eagle3.extract.moe.resolve_experts_kernel), passed to fused_moe.fused_experts as `kernel`.
 
 Why: fused_moe_kernels reads A's rows through a token-index gather (pointer loads), one program per tile; at the
 Qwen3-30B-A3B widths it sits at 65-67% of a dense GEMM of the same rows however its tiles are sized. Here:
@@ -270,7 +271,7 @@ def experts(x, top_k_index, top_k_weights, gate_up_proj, down_proj, expert_paral
             block_m: int) -> torch.Tensor:
     """fused_moe.fused_experts' sum for bf16/fp16 weights through these kernels (`runs` must hold)."""
     if mode not in MODES:
-        raise ValueError(f"fused_moe.KERNEL {mode!r}: one of 'tiles', {', '.join(map(repr, MODES))}")
+        raise ValueError(f"fused_experts kernel {mode!r}: one of 'tiles', {', '.join(map(repr, MODES))}")
     top_k, num_experts = top_k_index.shape[-1], gate_up_proj.shape[0]
     s = top_k_index.numel()
     pairs, block_expert, live_blocks = plan(top_k_index, num_experts, block_m, expert_parallel)
