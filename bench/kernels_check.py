@@ -74,20 +74,19 @@ def experts_reference(x, idx, w, gate_up, down, up_scale=None, down_scale=None):
     return out
 
 
+def kernel_flops(pairs: int, hidden: int, width: int) -> tuple[float, float]:
+    """The FLOPs of the experts' two GEMMs over `pairs` (token, expert) rows: (gate_up, down)."""
+    return 2.0 * pairs * hidden * 2 * width, 2.0 * pairs * width * hidden
+
+
 def tile_rates(fp8: bool, pairs: int, hidden: int, width: int) -> dict:
     """TFLOP/s of each autotune config of the two experts kernels, from the autotuner's own timings of the call
     just made (empty where its cache answered instead): how far the best tile sits from the dense rate, and
     whether any tile gets near it (the kernels' next work)."""
     from eagle3.extract.fused_moe_kernels import GPU
 
-    out = {}
-    for kernel, fn, flops in (("gate_up", GPU[fp8][0], 2.0 * pairs * hidden * 2 * width),
-                              ("down", GPU[fp8][1], 2.0 * pairs * width * hidden)):
-        timings = getattr(fn, "configs_timings", None) or {}
-        ms = {str(c): t[0] if isinstance(t, (list, tuple)) else t for c, t in timings.items()}
-        out[kernel] = dict(sorted(((c, flops / t / 1e9) for c, t in ms.items() if t and t != float("inf")),
-                                  key=lambda kv: -kv[1]))
-    return out
+    return {name: autotune_rates(fn, flops)
+            for name, fn, flops in zip(("gate_up", "down"), GPU[fp8], kernel_flops(pairs, hidden, width))}
 
 
 def tma_rows(mode, x, idx, w, up, dn, want, flops, device, reps) -> dict:
@@ -97,7 +96,7 @@ def tma_rows(mode, x, idx, w, up, dn, want, flops, device, reps) -> dict:
     from eagle3.extract import fused_moe_tma as ft
 
     tokens, hidden, width, k = x.shape[0], x.shape[1], dn.shape[2], idx.shape[1]
-    gu_flops, down_flops = 2.0 * tokens * k * hidden * 2 * width, 2.0 * tokens * k * width * hidden
+    gu_flops, down_flops = kernel_flops(tokens * k, hidden, width)
     out = {}
     try:
         if not ft.runs(x, up, dn):
@@ -125,24 +124,33 @@ def tma_rows(mode, x, idx, w, up, dn, want, flops, device, reps) -> dict:
         if mode == "tma":
             out["tma_gather_ms"] = 1e3 * timed(lambda: ft.gather_rows(x, pairs, k), device, reps)
         out[f"{mode}_tiles"] = {name: config_rates(fn, fl) for name, fn, fl in
-                                (("gate_up", ft.gpu_kernels()[0], gu_flops), ("down", ft.gpu_kernels()[1], down_flops))}
+                                zip(("gate_up", "down"), ft.gpu_kernels(), (gu_flops, down_flops))}
     except Exception as e:  # noqa: BLE001 (first runs on a GPU: the row says what failed, the other rows go on)
         out[mode] = f"{type(e).__name__}: {str(e)[:300]}"
     return out
 
 
-def config_rates(fn, flops: float) -> dict:
-    """TFLOP/s of each config an autotuner timed on its last tuning (best first; compact names)."""
+def autotune_rates(fn, flops: float, name=str, digits: int | None = None) -> dict:
+    """TFLOP/s of each config an autotuner timed on its last tuning, by name(config), best first; a config that
+    failed to run (inf) left out, none where no tuning ran (a cache hit)."""
     timings = getattr(fn, "configs_timings", None) or {}
     rates = {}
     for c, t in timings.items():
         t = t[0] if isinstance(t, (list, tuple)) else t
         if t and t != float("inf"):
-            kw = c.kwargs
-            name = f"n{kw['BLOCK_N']}k{kw['BLOCK_K']}g{kw['GROUP_M']}{'f' if kw.get('FLATTEN') else ''}" \
-                   f"s{c.num_stages}w{c.num_warps}"
-            rates[name] = round(flops / t / 1e9, 1)
+            rate = flops / t / 1e9
+            rates[name(c)] = rate if digits is None else round(rate, digits)
     return dict(sorted(rates.items(), key=lambda kv: -kv[1]))
+
+
+def config_rates(fn, flops: float) -> dict:
+    """The TMA kernels' autotune_rates under compact names (tiles, group, flattened, stages, warps), to 0.1."""
+    def compact(c) -> str:
+        kw = c.kwargs
+        return (f"n{kw['BLOCK_N']}k{kw['BLOCK_K']}g{kw['GROUP_M']}{'f' if kw.get('FLATTEN') else ''}"
+                f"s{c.num_stages}w{c.num_warps}")
+
+    return autotune_rates(fn, flops, compact, 1)
 
 
 def check_experts(name, tokens, device, dtype, reps, fp8: bool = True) -> dict:
