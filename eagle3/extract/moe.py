@@ -98,10 +98,10 @@ def resolve_experts_kernel(modules: list, experts: str | None, kernel: str) -> s
     w = modules[0].gate_up_proj
     if kernel == "tiles" or w.dtype == torch.float8_e4m3fn:
         return "tiles"
-    if w.device.type == "cuda" and torch.cuda.get_device_capability(w.device) < (9, 0):
+    if w.device.type == "cuda" and (capability := torch.cuda.get_device_capability(w.device)) < (9, 0):
         if kernel == "auto":
             return "tiles"
-        major, minor = torch.cuda.get_device_capability(w.device)
+        major, minor = capability
         raise ConfigError(f"{KERNEL_PARAM}={kernel!r}: the TMA kernels need a Hopper GPU or newer (compute "
                           f"capability 9.0), {w.device} is {major}.{minor}; use 'auto' or 'tiles'")
     if kernel == "auto" and w.device.type != "cuda":
