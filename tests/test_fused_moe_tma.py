@@ -205,8 +205,8 @@ print("timed", [len(getattr(tuner, "configs_timings", {})) for tuner in tuners],
 
 
 def test_the_gpus_launch_chain_autotunes_sets_the_blocks_and_walks_every_tile():
-    """On a GPU the kernels launch through the autotuner (configs pruned to whole column tiles, each config's
-    pre_hook setting the descriptors' block shapes, the heuristic's EVEN_K, "tma" and "tma_w" tuned apart) on a
+    """On a GPU the kernels launch through the autotuner (configs pruned to whole column tiles, `BlocksSet` setting
+    the descriptors' block shapes for each, the heuristic's EVEN_K, "tma" and "tma_w" tuned apart) on a
     persistent grid. The CPU path never takes that chain: here the GPU's own autotuned kernel objects run in
     Triton's interpreter (switched on before triton is imported: a process of its own) on a grid of 3 programs,
     float32 (no upcast), every config once."""
@@ -227,3 +227,13 @@ def test_the_gpus_launch_chain_autotunes_sets_the_blocks_and_walks_every_tile():
     # every config timed (BLOCK_N divides both widths here); gate_up tuned for each mode, down once
     counts = [len(fused_moe_tma.configs("gate_up")), len(fused_moe_tma.configs("down"))]
     assert lines[2] == f"timed {counts} [2, 1]", lines[2]
+
+
+def test_the_autotuners_keep_their_timings_on_disk():
+    """A shard task on a worker that already tuned these kernels times nothing: Triton caches an autotuner's
+    timings on disk only with cache_results on and no config carrying a pre_hook (the block shapes are set by
+    `BlocksSet`, the layer under the autotuner, which the interpreted chain above runs)."""
+    for tuner in fused_moe_tma.gpu_kernels():
+        assert tuner.cache_results
+        assert tuner.configs and all(config.pre_hook is None for config in tuner.configs)
+        assert isinstance(tuner.fn, fused_moe_tma.BlocksSet)

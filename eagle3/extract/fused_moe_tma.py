@@ -31,6 +31,7 @@ import torch
 import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
+from triton.runtime.jit import KernelInterface
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 MODES = ("tma", "tma_w")  # A through TMA from the gathered buffer / A by pointer gather from x
@@ -124,9 +125,8 @@ CPU_TILES = {"BLOCK_K": 128, "GROUP_M": 1, "PROGRAMS": 0}
 
 
 def set_blocks(kernel: str):
-    """A config's pre_hook: the descriptors' block shapes from its tiles and the launch's BLOCK_M (host-side
-    descriptors carry their block shape; the autotuner calls this before each config it times, and before the
-    launch with the one it keeps)."""
+    """The descriptors' block shapes from a launch's tiles and BLOCK_M (host-side descriptors carry their block
+    shape): `BlocksSet` calls it before every launch the autotuner makes, `launch` on the CPU."""
     def hook(a):
         bm, bn, bk = a["BLOCK_M"], a["BLOCK_N"], a["BLOCK_K"]
         if kernel == "gate_up":
@@ -137,9 +137,21 @@ def set_blocks(kernel: str):
 
 
 def configs(kernel: str) -> list:
-    return [triton.Config({"BLOCK_N": n, "BLOCK_K": k, "GROUP_M": g, "FLATTEN": f}, num_stages=s, num_warps=w,
-                          pre_hook=set_blocks(kernel))
+    return [triton.Config({"BLOCK_N": n, "BLOCK_K": k, "GROUP_M": g, "FLATTEN": f}, num_stages=s, num_warps=w)
             for n, k, s, w in TILES[kernel] for g in GROUPS_M for f in FLATTEN[kernel]]
+
+
+class BlocksSet(KernelInterface):
+    """Between the autotuner and the kernel: sets the descriptors' block shapes from the tiles of each launch, timed
+    or kept. (Each config's pre_hook could do it, but Triton's autotuner keeps no disk cache of configs with a
+    pre_hook: every shard task would time them all again, seconds a key at DeepSeek-V3's widths.)"""
+
+    def __init__(self, fn, kernel: str):
+        self.fn, self.arg_names, self.set = fn, fn.arg_names, set_blocks(kernel)
+
+    def run(self, *args, **kwargs):
+        self.set({**dict(zip(self.arg_names, args)), **kwargs})
+        return self.fn.run(*args, **kwargs)
 
 
 def whole_column_tiles(configs, named_args, **kwargs):
@@ -150,13 +162,15 @@ def whole_column_tiles(configs, named_args, **kwargs):
 
 
 def autotuned(fn, kernel: str):
-    # (no cache_results: the autotuner does not cache configs with a pre_hook)
+    # cache_results: as fused_moe_kernels.autotuned, the timings go to Triton's cache folder (the worker's compile
+    # cache), so the next shard task on the worker times nothing (possible as no config has a pre_hook)
+    keep = {"cache_results": True} if "cache_results" in inspect.signature(triton.autotune).parameters else {}
     jitted, key = triton.jit(fn), ["N", "K", "BLOCK_M"]
     if "GATHER_A" in inspect.signature(fn).parameters:  # gate_up: "tma" and "tma_w" are different kernels
         jitted = triton.heuristics({"EVEN_K": lambda a: a["K"] % a["BLOCK_K"] == 0})(jitted)
         key.append("GATHER_A")
-    return triton.autotune(configs(kernel), key=key,
-                           prune_configs_by={"early_config_prune": whole_column_tiles})(jitted)
+    return triton.autotune(configs(kernel), key=key, prune_configs_by={"early_config_prune": whole_column_tiles},
+                           **keep)(BlocksSet(jitted, kernel))
 
 
 @functools.cache
@@ -192,7 +206,7 @@ def cpu_block_n(n: int) -> int:
 
 
 def descriptor(t: torch.Tensor) -> TensorDescriptor:
-    """A 2D descriptor of t; its block shape is set per launch (a config's pre_hook, or `launch`)."""
+    """A 2D descriptor of t; its block shape is set per launch (`BlocksSet`, or `launch` on the CPU)."""
     return TensorDescriptor.from_tensor(t, [16, 16])
 
 
@@ -212,7 +226,7 @@ def launch(kernel, fn, grid_tiles, args, descs, n, k, block_m, device, **flags):
 
 
 def launch_persistent(fn, grid_tiles, args, block_m: int, sms: int, upcast: bool = False, **flags):
-    """The autotuned kernel (its configs' pre_hooks set the descriptors' blocks) on at most one program an SM,
+    """The autotuned kernel (`BlocksSet` sets the descriptors' blocks) on at most one program an SM,
     never more than the tiles at the narrowest BLOCK_N (the live tiles are known only on the device)."""
     fn[(min(sms, grid_tiles(64)),)](*args, BLOCK_M=block_m, NUM_SMS=sms, UPCAST=upcast, **flags)
 
