@@ -517,11 +517,12 @@ def test_preflight_time_estimate_uses_the_rate_of_the_targets_class(targets, tmp
         text = format_report(report)
         assert f"{cls} target: {MEASURED[used]['fraction']:.0%} of the roofline, as measured for {used}" in text
         assert ("not measured yet" in text) == (cls != used)
-    # an FP8 checkpoint: DeepSeek-V3's at the FP8 forward's measured speedup, Qwen3-MoE's at the bf16 rate, said so
+    # an FP8 checkpoint: the MoE classes' at the FP8 forward's measured speedup, a dense one's at the bf16 rate,
+    # said so
     from eagle3.extract.rates import MEASURED_FP8, time_estimate
 
     fp8 = {"quantization_config": {"quant_method": "fp8"}}
-    for model_type, cls in [("deepseek_v3", "moe-mla"), ("qwen3_moe", "moe")]:
+    for model_type, cls in [("deepseek_v3", "moe-mla"), ("qwen3_moe", "moe"), ("llama", "dense")]:
         config = load_config(targets[model_type])
         bf16, t = time_estimate(config, 10**7, 1024, 8), time_estimate({**config, **fp8}, 10**7, 1024, 8)
         speedup = MEASURED_FP8[cls]["speedup"] if cls in MEASURED_FP8 else 1.0
@@ -529,4 +530,4 @@ def test_preflight_time_estimate_uses_the_rate_of_the_targets_class(targets, tmp
         assert t["measured"] == (cls in MEASURED_FP8)
         assert (f"FP8 checkpoint: {speedup:.2f}x that, as measured for {cls}" in t["note"]) == (cls in MEASURED_FP8)
         assert (f"the FP8 forward of {cls} targets is not measured yet" in t["note"]) == (cls not in MEASURED_FP8)
-    assert "moe-mla" in MEASURED_FP8 and "moe" not in MEASURED_FP8
+    assert "moe-mla" in MEASURED_FP8 and "moe" in MEASURED_FP8 and "dense" not in MEASURED_FP8
