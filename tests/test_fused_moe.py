@@ -86,6 +86,23 @@ def test_fused_experts_equal_the_sum_over_pairs(tokens, skew, dtype, atol, tiles
     assert torch.equal(again, got)  # no atomics: the same bytes run to run
 
 
+def test_the_top_k_sum_runs_outside_the_custom_op_fused_with_the_residual_add():
+    """Compiled, the per-pair rows come out of the opaque op and Inductor sums them in the kernel of the add after
+    it (one pass over the [S, H] rows, not aten's reduction alone and then the add); the result equals eager's."""
+    from torch._inductor.utils import run_and_get_code
+
+    torch.manual_seed(0)
+    t, h, w, e, k = 40, 64, 32, 4, 2
+    x, idx, res = torch.randn(t, h), torch.stack([torch.randperm(e)[:k] for _ in range(t)]), torch.randn(t, h)
+    up, down, weights = torch.randn(e, 2 * w, h) * 0.05, torch.randn(e, h, w) * 0.05, torch.rand(t, k)
+
+    def block(x, idx, weights, res):
+        return res + fused_moe.fused_experts(x, idx, weights, up, down)
+
+    got, (code,) = run_and_get_code(torch.compile(block), x, idx, weights, res)
+    torch.testing.assert_close(got, block(x, idx, weights, res))
+    assert "eagle3.triton_fused_expert_pairs" in code and "cpp_fused_add_sum" in code, code[-3000:]
+
 @pytest.mark.parametrize("fp8", [False, True])
 def test_expert_parallel_pairs_of_other_ranks_add_nothing(fp8):
     """Under transformers' expert parallelism a rank holds E of the experts and an id >= E marks a pair routed to

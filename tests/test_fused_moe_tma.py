@@ -17,14 +17,14 @@ fused_moe_tma = pytest.importorskip("eagle3.extract.fused_moe_tma")
 
 
 def spy(monkeypatch) -> list:
-    """The modes fused_moe_tma.experts ran with (so a test knows the new path ran, not the fallback)."""
-    calls, real = [], fused_moe_tma.experts
+    """The modes fused_moe_tma.expert_pairs ran with (so a test knows the new path ran, not the fallback)."""
+    calls, real = [], fused_moe_tma.expert_pairs
 
     def wrapped(*args, **kwargs):
         calls.append(args[6])
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(fused_moe_tma, "experts", wrapped)
+    monkeypatch.setattr(fused_moe_tma, "expert_pairs", wrapped)
     return calls
 
 
@@ -198,7 +198,7 @@ x, idx = torch.randn(t, h), torch.stack([torch.randperm(e)[:k] for _ in range(t)
 up, down, weights = torch.randn(e, 2 * w, h) * 0.05, torch.randn(e, h, w) * 0.05, torch.rand(t, k)
 want = fused_moe.fused_experts(x, idx, weights, up, down)
 for mode in ft.MODES:
-    got = ft.experts(x, idx, weights, up, down, False, mode, 64)
+    got = ft.expert_pairs(x, idx, weights, up, down, False, mode, 64).view(t, k, h).sum(dim=1)
     print(mode, len(ran), float((got - want).abs().max()))
 print("timed", [len(getattr(tuner, "configs_timings", {})) for tuner in tuners], [len(t.cache) for t in tuners])
 """

@@ -413,8 +413,8 @@ def test_tma_w_extraction_states_equal_the_reference_and_record_the_kernel(targe
     from eagle3.extract import fused_moe_tma
     from eagle3.models import load_model
 
-    modes, real = [], fused_moe_tma.experts
-    monkeypatch.setattr(fused_moe_tma, "experts", lambda *a: modes.append(a[6]) or real(*a))
+    modes, real = [], fused_moe_tma.expert_pairs
+    monkeypatch.setattr(fused_moe_tma, "expert_pairs", lambda *a: modes.append(a[6]) or real(*a))
     spec, samples = merged
     out = run(targets["qwen3_moe"], tmp_path, spec, experts_implementation="triton_fused", experts_kernel="tma_w")
     m = ShardManifest.load(Path(out["shard_dir"]))

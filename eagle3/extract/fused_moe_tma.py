@@ -281,9 +281,9 @@ def down(h, pairs, block_expert, live_blocks, w2, weights, num_pairs: int, block
     return out
 
 
-def experts(x, top_k_index, top_k_weights, gate_up_proj, down_proj, expert_parallel: bool, mode: str,
-            block_m: int) -> torch.Tensor:
-    """fused_moe.fused_experts' sum for bf16/fp16 weights through these kernels (`runs` must hold)."""
+def expert_pairs(x, top_k_index, top_k_weights, gate_up_proj, down_proj, expert_parallel: bool, mode: str,
+                 block_m: int) -> torch.Tensor:
+    """fused_moe.expert_pairs for bf16/fp16 weights through these kernels (`runs` must hold)."""
     if mode not in MODES:
         raise ValueError(f"fused_experts kernel {mode!r}: one of 'tiles', {', '.join(map(repr, MODES))}")
     top_k, num_experts = top_k_index.shape[-1], gate_up_proj.shape[0]
@@ -293,4 +293,4 @@ def experts(x, top_k_index, top_k_weights, gate_up_proj, down_proj, expert_paral
     h = gate_up(x, pairs, block_expert, live_blocks, w1, top_k, block_m, mode)
     out = down(h, pairs, block_expert, live_blocks, w2, top_k_weights.reshape(-1).contiguous(), s, block_m,
                expert_parallel)
-    return out.view(x.shape[0], top_k, -1).sum(dim=1).to(x.dtype)
+    return out
