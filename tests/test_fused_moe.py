@@ -103,6 +103,7 @@ def test_the_top_k_sum_runs_outside_the_custom_op_fused_with_the_residual_add():
     torch.testing.assert_close(got, block(x, idx, weights, res))
     assert "eagle3.triton_fused_expert_pairs" in code and "cpp_fused_add_sum" in code, code[-3000:]
 
+
 @pytest.mark.parametrize("fp8", [False, True])
 def test_expert_parallel_pairs_of_other_ranks_add_nothing(fp8):
     """Under transformers' expert parallelism a rank holds E of the experts and an id >= E marks a pair routed to
