@@ -33,6 +33,11 @@ def test_extract_bench_smoke_measures_every_option_on_the_cpu(tmp_path):
         assert m["skewed"]["routing"]["max_over_mean"] > m["routing_uniform"]["max_over_mean"]
         assert models[name]["extractor"]["tokens"] == models[name]["tokens"]
     side = models["tiny-moe"]["side_by_side"]
+    # every lever reads against the base run again (warm, as the levers run), not the process's first run
+    assert side["base-again"]["over_base"]["against"] == "the base's first run"
+    assert side["batched"]["over_base"]["against"] == "the base run again"
+    assert side["batched"]["over_base"]["wall"] == pytest.approx(
+        side["batched"]["tok_per_s_wall"] / side["base-again"]["tok_per_s_wall"])
     assert side["batched"]["params"]["experts_implementation"] == "batched_mm" and side["budget256"]["tok_per_s_wall"]
     assert side["fused"]["tok_per_s_wall"] > 0  # the fused Triton kernels, interpreted on the CPU
     assert "experts_implementation" in side["bad"]["error"]  # a lever that fails costs its row, not the run
