@@ -12,6 +12,9 @@ Rows (each: relative L2 error against the definition and the time of one call, m
   "tma_w"): `tma_*` / `tma_w_*` rows, each kernel timed alone (`*_gate_up_tflops`, `*_down_tflops`; "tma"'s
   gate_up with its row gather, timed alone too as `tma_gather_ms`), the whole step (`*_tflops`, against
   `bf16_tflops`) and their autotune configs' rates (`*_tiles`);
+- combine: the experts as a compiled layer runs them, `residual + fused_experts(...)` under `experts_kernel="auto"`:
+  the top-k sum outside the custom op (fused_moe today: Inductor sums in the residual add's kernel) against it
+  inside an opaque op (fused_moe before 2026-12-06 21:00: aten's reduction, then the add), side by side;
 - linear-fp8: one FP8 checkpoint linear (DeepSeek-V3's widths, MLA's 576-row kv_a_proj_with_mqa among them) beside
   torch._scaled_mm's FP8 GEMM (row-wise scales, all ones) and a bf16 GEMM of the same shape; its input's quantization
   and its GEMM timed apart; and torch's block-scaled FP8 GEMM on the checkpoint's own layout (the lever to try).
@@ -153,7 +156,8 @@ def config_rates(fn, flops: float) -> dict:
     return autotune_rates(fn, flops, compact, 1)
 
 
-def check_experts(name, tokens, device, dtype, reps, fp8: bool = True) -> dict:
+def experts_batch(name, tokens, device, dtype) -> tuple:
+    """(x, idx, w, up, dn): one batch of `tokens` routed uniformly at the widths of `name`, and the experts."""
     hidden, width, experts, k = EXPERTS.get(name, SMOKE_EXPERTS)
     g = torch.Generator(device=device).manual_seed(tokens)
     x = torch.randn(tokens, hidden, device=device, dtype=dtype, generator=g)
@@ -161,6 +165,47 @@ def check_experts(name, tokens, device, dtype, reps, fp8: bool = True) -> dict:
     w = torch.rand(tokens, k, device=device, generator=g).to(dtype)
     up = torch.randn(experts, 2 * width, hidden, device=device, dtype=dtype, generator=g) / hidden ** 0.5
     dn = torch.randn(experts, hidden, width, device=device, dtype=dtype, generator=g) / width ** 0.5
+    return x, idx, w, up, dn
+
+
+@torch.library.custom_op("kernels_check::experts_summed_inside", mutates_args=())
+def experts_summed_inside(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, up: torch.Tensor, dn: torch.Tensor,
+                          experts_kernel: str) -> torch.Tensor:
+    """The combine row's baseline: the routed experts' sum with the top-k sum inside the opaque op."""
+    return fused_moe.fused_experts(x, idx, w, up, dn, experts_kernel=experts_kernel)
+
+
+@experts_summed_inside.register_fake
+def _(x, idx, w, up, dn, experts_kernel):
+    return torch.empty_like(x)
+
+
+def check_combine(name, tokens, device, dtype, reps) -> dict:
+    """`residual + experts`, compiled, with the top-k sum outside the custom op against inside it, alternated."""
+    from types import SimpleNamespace
+
+    from eagle3.extract.moe import resolve_experts_kernel
+
+    x, idx, w, up, dn = experts_batch(name, tokens, device, dtype)
+    residual = torch.randn_like(x)
+    kernel = resolve_experts_kernel([SimpleNamespace(gate_up_proj=up, down_proj=dn)], fused_moe.NAME, "auto")
+    outside = torch.compile(lambda x, r: r + fused_moe.fused_experts(x, idx, w, up, dn, experts_kernel=kernel))
+    inside = torch.compile(lambda x, r: r + experts_summed_inside(x, idx, w, up, dn, kernel))
+    row = {"tokens": tokens, "experts_kernel": kernel, "rel_l2_outside_vs_inside": rel(outside(x, residual),
+                                                                                        inside(x, residual))}
+    times = {"inside_ms": [], "outside_ms": []}
+    rounds, reps = (3, reps) if device.type == "cuda" else (1, 1)  # the interpreter: the path, not its time
+    for _ in range(rounds):
+        for key, fn in (("inside_ms", inside), ("outside_ms", outside)):
+            times[key].append(1e3 * timed(lambda fn=fn: fn(x, residual), device, reps))
+    row.update({key: min(t) for key, t in times.items()})
+    row["outside_over_inside"] = row["inside_ms"] / row["outside_ms"]  # > 1: the sum outside is faster
+    return row
+
+
+def check_experts(name, tokens, device, dtype, reps, fp8: bool = True) -> dict:
+    hidden, width, experts, k = EXPERTS.get(name, SMOKE_EXPERTS)
+    x, idx, w, up, dn = experts_batch(name, tokens, device, dtype)
     flops = 2.0 * tokens * k * 3 * hidden * width
     row = {"tokens": tokens, "experts": experts, "hidden": hidden, "width": width, "top_k": k}
     poison(device, x.numel() * k * 4)
@@ -277,7 +322,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--tokens", type=int, default=16384, help="tokens of one batch")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny shapes (the interpreter)")
-    ap.add_argument("--rows", default="quantize,experts,linears", help="which rows, comma-separated")
+    ap.add_argument("--rows", default="quantize,experts,combine,linears", help="which rows, comma-separated")
     ap.add_argument("--shapes", default=",".join(EXPERTS), help="the experts rows' widths, comma-separated "
                     f"(of {', '.join(EXPERTS)})")
     ap.add_argument("--no-fp8", action="store_true", help="the experts rows without their FP8 half")
@@ -291,7 +336,7 @@ def main(argv=None) -> int:
     dtype = torch.bfloat16
     tokens = 40 if device.type == "cpu" else a.tokens
     res = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "tokens": tokens,
-           "quantize": {}, "experts": {}, "linears": {}}
+           "quantize": {}, "experts": {}, "combine": {}, "linears": {}}
     wanted = a.rows.split(",")
 
     def save(kind, name):  # each row as it lands: a call cut short keeps what ran
@@ -319,6 +364,9 @@ def main(argv=None) -> int:
     for name in (shapes if device.type == "cuda" else ("smoke",)) if "experts" in wanted else ():
         res["experts"][name] = check_experts(name, tokens, device, dtype, a.reps, fp8=not a.no_fp8)
         save("experts", name)
+    for name in (shapes if device.type == "cuda" else ("smoke",)) if "combine" in wanted else ():
+        res["combine"][name] = check_combine(name, tokens, device, dtype, a.reps)
+        save("combine", name)
     linears = LINEARS if device.type == "cuda" else {"smoke": SMOKE_LINEAR}
     for name, (out_f, in_f) in linears.items() if "linears" in wanted else ():
         res["linears"][name] = check_linear(out_f, in_f, tokens, device, dtype, a.reps)

@@ -150,6 +150,10 @@ def test_kernels_check_smoke_checks_each_kernel_against_its_definition(tmp_path)
         for mode in ("tma", "tma_w"):  # the TMA / persistent kernels (fused_experts experts_kernel=), the same batch
             assert row[f"{mode}_rel_l2"] < 0.02 and not row[f"{mode}_nan"], row
     assert all(r["rel_l2"] < 0.01 and not r["nan"] for r in res["linears"].values()) and res["linears"]
+    # compiled `residual + experts`: the top-k sum outside the op against inside it, the same sums, both timed
+    combine = res["combine"]["smoke"]
+    assert combine["experts_kernel"] == "tiles" and combine["rel_l2_outside_vs_inside"] < 0.01
+    assert combine["inside_ms"] > 0 and combine["outside_ms"] > 0 and combine["outside_over_inside"] > 0
     assert all(q["bytes_equal"] and q["values_equal_at_kernel_scales"] for q in res["quantize"].values())
 
 
