@@ -14,7 +14,7 @@ Rows (each: relative L2 error against the definition and the time of one call, m
   `bf16_tflops`) and their autotune configs' rates (`*_tiles`);
 - combine: the experts as a compiled layer runs them, `residual + fused_experts(...)` under `experts_kernel="auto"`:
   the top-k sum outside the custom op (fused_moe today: Inductor sums in the residual add's kernel) against it
-  inside an opaque op (fused_moe before 2026-12-06 21:00: aten's reduction, then the add), side by side;
+  inside an opaque op (fused_moe's earlier layout: aten's reduction, then the add), side by side;
 - linear-fp8: one FP8 checkpoint linear (DeepSeek-V3's widths, MLA's 576-row kv_a_proj_with_mqa among them) beside
   torch._scaled_mm's FP8 GEMM (row-wise scales, all ones) and a bf16 GEMM of the same shape; its input's quantization
   and its GEMM timed apart; and torch's block-scaled FP8 GEMM on the checkpoint's own layout (the lever to try).
