@@ -285,7 +285,7 @@ def expert_pairs(x, top_k_index, top_k_weights, gate_up_proj, down_proj, expert_
                  block_m: int) -> torch.Tensor:
     """fused_moe.expert_pairs for bf16/fp16 weights through these kernels (`runs` must hold)."""
     if mode not in MODES:
-        raise ValueError(f"fused_experts kernel {mode!r}: one of 'tiles', {', '.join(map(repr, MODES))}")
+        raise ValueError(f"fused_experts experts_kernel={mode!r}: use one of 'tiles', {', '.join(map(repr, MODES))}")
     top_k, num_experts = top_k_index.shape[-1], gate_up_proj.shape[0]
     s = top_k_index.numel()
     pairs, block_expert, live_blocks = plan(top_k_index, num_experts, block_m, expert_parallel)
