@@ -194,7 +194,8 @@ def measure_variants(b: Bench, name: str, t: Target) -> tuple[dict, dict]:
               f"and last commit; setup {v.get('setup_s', 0):.1f} s, tail {v.get('tail_s', 0):.1f} s of "
               f"{v['wall_s']:.1f} s (warm-up incl. compile {v['warmup_with_compile_s']:.0f} s); compute waited for "
               f"writers {v.get('compute_waited_for_writers_s')} s, writers busy {v.get('writer_busy_fraction')}, "
-              f"host buffers made in {v.get('host_buffer_alloc_s')} s", flush=True)
+              f"host buffers made in {v.get('host_buffer_alloc_s')} s (ahead, beside the load: "
+              f"{v.get('host_buffers_made_ahead_s')} s)", flush=True)
         if best is None or v["tok_per_s_wall"] > best["tok_per_s_wall"]:
             best = dict(v, writer_threads=writers, params=params)
     if best is None:

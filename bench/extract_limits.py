@@ -251,7 +251,8 @@ def interleaved_rounds(rounds: int, probe, extracts: dict, bytes_per_token: int)
                          "bytes": r["bytes"], "disk_before": probes[-2], "disk_after": probes[-1],
                          "disk_limit_tok_per_s": limit, "fraction_of_disk_limit": r["tok_per_s_wall"] / limit,
                          **{k: r.get(k) for k in ("compute_waited_for_writers_s", "writer_busy_fraction",
-                                                  "host_buffer_alloc_s", "setup_s", "tail_s")}})
+                                                  "host_buffer_alloc_s", "host_buffers_made_ahead_s", "setup_s",
+                                                  "tail_s")}})
             print(f"round {i} {label}: {r['tok_per_s_wall']:.0f} tok/s wall ({r['bytes'] / r['wall_s'] / 1e9:.2f} "
                   f"GB/s), disk {probes[-2] / 1e9:.2f} -> {probes[-1] / 1e9:.2f} GB/s, "
                   f"{100 * runs[-1]['fraction_of_disk_limit']:.0f}% of the disk limit; compute waited for writers "
@@ -297,7 +298,8 @@ def against_sustained(name: str, r: dict, sustained: list[dict], tokens: int, fl
               f"between first and last commit) = {100 * rr['fraction_of_limit_sustained']:.1f}% "
               f"({100 * rr['steady_fraction_of_limit_sustained']:.1f}%) of min(sustained roofline, disk), "
               f"{rr['ratio_to_naive']:.2f}x naive; setup {rr.get('setup_s')} s, tail {rr.get('tail_s')} s, host "
-              f"buffers made in {rr.get('host_buffer_alloc_s')} s", flush=True)
+              f"buffers made in {rr.get('host_buffer_alloc_s')} s (ahead: {rr.get('host_buffers_made_ahead_s')} s)",
+              flush=True)
 
 
 def limits_entry(extractor: dict, naive: dict, roofline: float, disk_limit: float, bytes_per_token: int) -> dict:

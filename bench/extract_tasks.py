@@ -61,7 +61,8 @@ def child(a: argparse.Namespace) -> dict:
             "extractor_to_first_batch_s": round(first["s"] - built, 2),
             "process_wall_s": round(time.perf_counter() - t0, 2),
             "tokens": r["tokens"], "tok_per_s_wall": r["tok_per_s_wall"], "steady_tok_per_s": r["steady_tok_per_s"],
-            "extract_wall_s": r["wall_s"], **cache_counters()}
+            "extract_wall_s": r["wall_s"], **{k: r.get(k) for k in ("setup_s", "host_buffers_made_ahead_s")},
+            **cache_counters()}
 
 
 def parser() -> argparse.ArgumentParser:

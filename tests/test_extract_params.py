@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from eagle3.errors import ConfigError
-from eagle3.extract.batches import AUTO_PAD_MULTIPLE, padded_length, plan_batches
+from eagle3.extract.batches import AUTO_PAD_MULTIPLE, PlanSegment, host_buffer_rows, padded_length, plan_batches
 from eagle3.extract.config import ExtractConfig
 from eagle3.extract.extractor import resolve_for_device
 from tests.support.configs import phase
@@ -65,6 +65,24 @@ def test_auto_padding_bounds_batch_lengths_and_their_padding(tmp_path):
                            ("chunk_mb", 0, "must be > 0")):
         with pytest.raises(ConfigError, match=rf"extract param {name} .*{why}"):
             phase(ExtractConfig, **base, **{name: bad})
+
+
+def test_host_buffers_of_every_shard_that_fills_them_are_one_size():
+    """Two shards of other lengths planned alike ask for host buffers of the plan's bound (so a process running
+    both reuses the first one's pinned blocks); a shard under the bound asks for its largest chunk; a sample over
+    the token budget, a chunk alone, for its length."""
+    rng = np.random.default_rng(1)
+    plan = PlanSegment(0, 32768, 65516, "auto")
+
+    def rows(lengths):
+        lengths = np.asarray(lengths)
+        chunks = plan_batches(lengths, np.arange(len(lengths)), plan.token_budget, plan.chunk_tokens, "auto")
+        return host_buffer_rows(lengths, chunks, plan), max(int(lengths[np.concatenate(c)].sum()) for c in chunks)
+
+    (a, a_largest), (b, b_largest) = rows(rng.integers(256, 8193, 400)), rows(rng.integers(256, 8193, 30))
+    assert a == b == 65516 and a_largest != b_largest and max(a_largest, b_largest) <= 65516
+    assert rows([300, 200, 100]) == (600, 600)
+    assert rows([70000] + [5000] * 20)[0] == 70000
 
 
 def test_compile_param_resolves_per_device_and_rejects_junk(tmp_path):

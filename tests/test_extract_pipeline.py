@@ -169,6 +169,94 @@ def test_host_buffer_pool_makes_buffers_only_when_all_are_in_use():
     assert 0.06 <= pool.made_s < 1 and 0.1 <= pool.waited_s < 1
 
 
+def test_host_buffer_pool_makes_buffers_ahead_on_a_thread_and_wait_raises_its_error():
+    """make_ahead makes its buffers on a thread (within the limit); after `wait` `get` hands them out without
+    making any, then makes on demand up to the limit; an error of the thread is raised by `wait`."""
+    import threading
+
+    from eagle3.extract.pipeline import HostBufferPool
+
+    threads = []
+    pool = HostBufferPool(3, lambda: time.sleep(0.05) or threads.append(threading.current_thread().name) or object())
+    pool.make_ahead(5)
+    assert pool.made == 3  # counted at once: capped at the limit
+    pool.wait()
+    assert threads == ["host-buffers"] * 3 and 0.15 <= pool.made_ahead_s < 2
+    got = [pool.get(timeout=0.01) for _ in range(3)]
+    assert len(set(map(id, got))) == 3 and pool.get(timeout=0.01) is None and pool.made_s == 0
+    pool = HostBufferPool(4, lambda: object())
+    pool.make_ahead(1)
+    pool.wait()
+    assert pool.made == 1 and pool.get(timeout=0.01) is not None and pool.get(timeout=0.01) is not None
+    assert pool.made == 2  # the second made on demand
+
+    def fail():
+        raise RuntimeError("cudaHostAlloc failed")
+
+    pool = HostBufferPool(2, fail)
+    pool.make_ahead(2)
+    with pytest.raises(RuntimeError, match="cudaHostAlloc failed"):
+        pool.wait()
+
+
+def test_state_buffers_are_views_of_one_block():
+    """aux, final (and fp8 scales) share one allocation without overlapping: one pinned request, no rounding of
+    each tensor to a power of two."""
+    from eagle3.extract.pipeline import StateBuffers
+
+    for dtype, n in ((torch.bfloat16, 2), (torch.float8_e4m3fn, 4)):
+        b = StateBuffers(37, 3, 64, dtype, "cpu")
+        ts = b.tensors()
+        assert len(ts) == n and [t.shape for t in ts][:2] == [(37, 192), (37, 64)]
+        assert all(t.untyped_storage().data_ptr() == b.block.untyped_storage().data_ptr() for t in ts)
+        spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in ts)
+        assert all(end <= start for (_, end), (start, _) in zip(spans, spans[1:]))  # no overlap
+        assert spans[-1][1] <= b.block.data_ptr() + b.block.numel()
+        for i, t in enumerate(ts):
+            t.fill_(i + 1)
+        assert [float(t.float().mean()) for t in ts] == [float(i + 1) for i in range(n)]
+
+
+def test_extractor_makes_host_buffers_while_the_model_loads(tiny_done, tiny_model, spec, tmp_path, monkeypatch):
+    """The host buffers are made on their own thread while the backend loads, all before the first forward; the
+    chunks are the same bytes."""
+    import threading
+
+    import eagle3.extract.extractor as ex
+    from eagle3.extract.backend import HFBackend
+
+    events = []
+    real_load, real_capture, real_buffers = HFBackend.load, HFBackend.capture, ex.StateBuffers
+
+    def slow_load(self, *a, **kw):
+        events.append(("load", time.perf_counter()))
+        time.sleep(0.3)
+        events.append(("loaded", time.perf_counter()))
+        return real_load(self, *a, **kw)
+
+    def buffers(*a, **kw):
+        if threading.current_thread().name == "host-buffers":
+            events.append(("host buffer", time.perf_counter()))
+        return real_buffers(*a, **kw)
+
+    def capture(self, ids):
+        events.append(("forward", time.perf_counter()))
+        return real_capture(self, ids)
+
+    monkeypatch.setattr(HFBackend, "load", slow_load)
+    monkeypatch.setattr(HFBackend, "capture", capture)
+    monkeypatch.setattr(ex, "StateBuffers", buffers)
+    summary = tiny_run(tiny_model, spec, tmp_path / "out")
+    kinds = [k for k, _ in events]
+    first_forward = kinds.index("forward")
+    assert kinds.count("host buffer") == 2 and kinds.index("host buffer") < first_forward  # the CPU's two
+    made = [t for k, t in events if k == "host buffer"]
+    (loading,), (loaded,) = ([t for k, t in events if k == name] for name in ("load", "loaded"))
+    assert loading < loaded and made[0] < loaded  # beside the load, not after it
+    assert summary["host_buffers_made_ahead_s"] >= 0 and summary["host_buffer_alloc_s"] == 0
+    assert chunk_bytes(tmp_path / "out" / "shard-00000") == chunk_bytes(tiny_done[0])
+
+
 def tiny_per_token_bytes() -> int:
     from eagle3.extract.memory import estimate_batch_bytes
 

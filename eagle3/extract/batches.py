@@ -78,6 +78,16 @@ def plan_batches(lengths: np.ndarray, rows: np.ndarray, token_budget: int, chunk
     return chunks
 
 
+def host_buffer_rows(lengths: np.ndarray, chunks: list[list[np.ndarray]], plan: PlanSegment) -> int:
+    """Rows of a host chunk buffer for `chunks` (planned by `plan`): the plan's bound on a chunk (chunk_tokens, or
+    one batch's token_budget) where the chunks fill it, so that every shard of a plan asks for one size and a
+    process that runs several (`airflow dags test` runs every task in one; the benches' warm-up and measured
+    runs) finds the pinned blocks of the one before in torch's pinned allocator; else the largest chunk."""
+    sizes = [int(lengths[np.concatenate(c)].sum()) for c in chunks]
+    bound = max(plan.chunk_tokens, plan.token_budget)
+    return max(sizes) if sum(sizes) <= bound else max(bound, *sizes)  # a sample over the budget: a chunk alone
+
+
 def plan_segments(lengths: np.ndarray, rows: np.ndarray, segments: list[PlanSegment]) -> list[list[np.ndarray]]:
     """The shard's chunks under a list of plan segments (the first from chunk 0): segment i plans the samples
     the earlier segments left and contributes its first segments[i+1].from_chunk - from_chunk chunks; the last

@@ -78,7 +78,7 @@ class ExtractConfig:
         help="Target size of a chunk file in MiB (the unit of commit and resume); auto = 1024 on a GPU, 1 on the "
              "CPU (a few chunks a shard, so a failed shard resumes mid-way). A chunk holds whole batches: below one "
              "batch's states (token_budget tokens), each batch is still one chunk.")
-    # GPU runs pin up to writer_threads + 1 chunk buffers of chunk_mb each (made on demand: HostBufferPool);
+    # GPU runs pin writer_threads + 1 chunk buffers of chunk_mb each (made while the model loads: HostBufferPool);
     # 6 was best of 3/6 on the H200's disk (docs/benchmarks.md)
     writer_threads: int = knob(6, min=1, max=64, help="Chunks written at once (while one fsyncs, others write).")
     verify_existing: bool = knob(False, help="Re-hash committed chunks on a resume or a finished re-run.")

@@ -18,6 +18,7 @@ the manifest); runtime params never matter. A complete shard with the same state
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
@@ -31,7 +32,8 @@ from eagle3.errors import ConfigError
 from eagle3.extract.backend import DTYPES, ExtractionBackend, HFBackend, check_attention
 from eagle3.extract import moe
 from eagle3.extract.compile_cache import use_compile_cache
-from eagle3.extract.batches import PlanSegment, padded_length, plan_segments, real_token_index
+from eagle3.extract.batches import (PlanSegment, host_buffer_rows, padded_length, plan_segments,
+                                    real_token_index)
 from eagle3.extract.config import ADDED_STATE_PARAMS, AUTO_PLAN, FP8, ExtractConfig, stored_dtype
 from eagle3.extract.format import CorruptChunkError, ShardManifest, load_chunk
 from eagle3.fit import bytes_per_token, load_config
@@ -242,6 +244,7 @@ class ShardExtractor:
             breakdown = {"steady_tok_per_s": round(p.steady_tok_per_s(), 1),
                          "compute_waited_for_writers_s": round(self.pool.waited_s, 3),
                          "host_buffer_alloc_s": round(self.pool.made_s, 3),
+                         "host_buffers_made_ahead_s": round(self.pool.made_ahead_s, 3),
                          "writer_busy_fraction": round(
                              p.writer_busy_s / max(self.cfg.writer_threads * seconds, 1e-9), 3)}
             if p.first_forward is not None:
@@ -310,23 +313,33 @@ class ShardExtractor:
 
     @torch.inference_mode()
     def _extract(self, data: ShardData, chunks: list, m: ShardManifest) -> None:
-        backend = self._load_backend()
-        self._record_kernels(m, backend)
-        dev = backend.device
-        cuda = dev.type == "cuda"
+        cuda = torch.device(self.cfg.device).type == "cuda"
         n_cap, H = len(self.cfg.target.capture_layers), self.shape.hidden_size
         todo = chunks[len(m.chunks):]
-        pad = self.cfg.pad_multiple
-        longest = padded_length(max(int(data.lengths[b].max()) for c in todo for b in c), pad)
-        check_batch_fits(self.cfg, H, self.shape.intermediate_size, self.storage.itemsize, dev,
-                         max(len(b) * padded_length(int(data.lengths[b].max()), pad) for c in todo for b in c), longest)
+        rows = host_buffer_rows(data.lengths, todo, self.plan)
+        self.pool = HostBufferPool(self.cfg.writer_threads + 1 if cuda else 2,
+                                   lambda: StateBuffers(rows, n_cap, H, self.storage, "cpu", pin=cuda))
+        # all of them (pinned on a GPU) while the model loads: what a run needs depends on the disk, and the
+        # next extractor of the process (HostBufferPool) finds every block of this one's size
+        self.pool.make_ahead(self.pool.limit)
+        try:
+            backend = self._load_backend()
+            self._record_kernels(m, backend)
+            dev = backend.device
+            pad = self.cfg.pad_multiple
+            longest = padded_length(max(int(data.lengths[b].max()) for c in todo for b in c), pad)
+            check_batch_fits(self.cfg, H, self.shape.intermediate_size, self.storage.itemsize, dev,
+                             max(len(b) * padded_length(int(data.lengths[b].max()), pad) for c in todo for b in c),
+                             longest)
+        except BaseException:
+            with contextlib.suppress(BaseException):
+                self.pool.wait()  # no thread left pinning behind the error
+            raise
+        self.pool.wait()  # before the first forward (HostBufferPool)
         max_batch = max(int(data.lengths[b].sum()) for c in todo for b in c)
-        max_chunk = max(int(data.lengths[np.concatenate(c)].sum()) for c in todo)
         staging = [StateBuffers(max_batch, n_cap, H, self.storage, dev) for _ in range(2)]
         for st in staging:
             st.event = torch.cuda.Event() if cuda else None
-        self.pool = HostBufferPool(self.cfg.writer_threads + 1 if cuda else 2,
-                                   lambda: StateBuffers(max_chunk, n_cap, H, self.storage, "cpu", pin=cuda))
         copy_stream = torch.cuda.Stream(dev) if cuda else None
         chunk_meta = {"shard": self.spec.shard, "capture_layers": self.cfg.target.capture_layers,
                       "dtype": self.cfg.storage_dtype, "fingerprint": self.fingerprint}

@@ -32,15 +32,27 @@ FP8_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
 
 
 class StateBuffers:
-    """aux/final states of up to `rows` tokens (+ fp8 scales): device staging or a host chunk buffer."""
+    """aux/final states of up to `rows` tokens (+ fp8 scales): device staging or a host chunk buffer.
+
+    The tensors are views of one allocation: the pinned host allocator rounds every request up to a power of
+    two and page-locks all of it, so four requests pinned up to twice the bytes (1.5 GiB for a 1 GiB chunk at
+    the Qwen3-30B-A3B shape), and one block of a fixed size is found again by a later pool of the same size."""
+
+    ALIGN = 256  # each view starts on this many bytes
 
     def __init__(self, rows: int, n_capture: int, hidden: int, dtype: torch.dtype, device, pin: bool = False):
-        kw = dict(device=device, pin_memory=pin)
-        self.aux = torch.empty((rows, n_capture * hidden), dtype=dtype, **kw)
-        self.final = torch.empty((rows, hidden), dtype=dtype, **kw)
         fp8 = dtype == torch.float8_e4m3fn
-        self.aux_scale = torch.empty((rows, n_capture), dtype=torch.float32, **kw) if fp8 else None
-        self.final_scale = torch.empty((rows,), dtype=torch.float32, **kw) if fp8 else None
+        shapes = [((rows, n_capture * hidden), dtype), ((rows, hidden), dtype)]
+        if fp8:
+            shapes += [((rows, n_capture), torch.float32), ((rows,), torch.float32)]
+        sizes = [-(-int(np.prod(s)) * d.itemsize // self.ALIGN) * self.ALIGN for s, d in shapes]
+        self.block = torch.empty(sum(sizes), dtype=torch.uint8, device=device, pin_memory=pin)
+        views, at = [], 0
+        for (shape, d), size in zip(shapes, sizes):
+            views.append(self.block[at:at + int(np.prod(shape)) * d.itemsize].view(d).view(shape))
+            at += size
+        self.aux, self.final = views[:2]
+        self.aux_scale, self.final_scale = views[2:] if fp8 else (None, None)
         self.event = None  # staging: its last copy-out is done; host: the chunk's copies have landed
 
     def tensors(self) -> list[torch.Tensor]:
@@ -59,19 +71,49 @@ def store_states(dst: torch.Tensor, scale: torch.Tensor | None, x: torch.Tensor)
 
 
 class HostBufferPool:
-    """Host chunk buffers (pinned on a GPU run), made on demand up to `limit`. Pinning page-locks every page of a
-    GB-sized buffer (0.4-0.5 s a GB on the H200 machine, under a driver lock that stalls every thread's CUDA
-    calls), so a run pays for a buffer only when every made one is still in a writer's hands: a compute-bound
-    run (few chunks in flight) never makes the rest. Made on the compute thread, the GPU works through it on
-    the batches already queued: pinning in a background thread, or by cudaHostRegister, measured no faster
-    (docs/benchmarks.md run 10).
-    `get` runs on the compute thread only; writers `put` buffers back."""
+    """Host chunk buffers (pinned on a GPU run), at most `limit`. Pinning page-locks every page of a GB-sized
+    buffer (0.4-0.5 s a GB on the H200 machine) under a driver lock that stalls every thread's CUDA calls, so
+    the extractor makes its buffers ahead, on a thread, while the model loads (`make_ahead`), and waits for
+    them before the first forward (`wait`): pinning beside the forwards, in a background thread or by
+    cudaHostRegister, measured no faster (docs/benchmarks.md run 10), and beside the autotuner's timings it
+    would skew the configs it picks. Any buffer beyond those is made on demand, on the compute thread.
+    `get` runs on the compute thread only, after `wait`; writers `put` buffers back."""
 
     def __init__(self, limit: int, make: Callable[[], StateBuffers]):
         self.limit, self.make, self.made = limit, make, 0
         self.free: queue.Queue = queue.Queue()
         self.waited_s = 0.0  # time `get` blocked for a writer to give a buffer back: the disk holding compute back
-        self.made_s = 0.0  # time spent making (pinning) buffers, on the compute thread
+        self.made_s = 0.0  # time spent making (pinning) buffers on the compute thread
+        self.made_ahead_s = 0.0  # time the `make_ahead` thread spent making its buffers
+        self._ahead: threading.Thread | None = None
+        self._ahead_error: BaseException | None = None
+
+    def make_ahead(self, n: int) -> None:
+        """Start making min(n, limit) buffers on a thread; `wait` joins it."""
+        n = min(n, self.limit - self.made)
+        self.made += n  # counted now: `get` never makes more than limit
+
+        def fill() -> None:
+            t = time.perf_counter()
+            try:
+                for _ in range(n):
+                    self.free.put(self.make())
+            except BaseException as e:  # raised by `wait`, on the compute thread
+                self._ahead_error = e
+            finally:
+                self.made_ahead_s = time.perf_counter() - t
+
+        self._ahead = threading.Thread(target=fill, name="host-buffers", daemon=True)
+        self._ahead.start()
+
+    def wait(self) -> None:
+        """Join the `make_ahead` thread (if any) and raise its error."""
+        if self._ahead is not None:
+            self._ahead.join()
+            self._ahead = None
+        if self._ahead_error is not None:
+            error, self._ahead_error = self._ahead_error, None
+            raise error
 
     def put(self, buf) -> None:
         self.free.put(buf)
