@@ -262,7 +262,7 @@ def test_the_doc_still_stages_the_scripts_this_test_reads():
     assert {"extract_bench", "train_quality_gpu", "evaluate_bench", "extract_tasks", "extract_gpus",
             "train_bench", "quality_prompts"} <= scripts
     via_b = [inv for inv in found if inv.script == "extract_bench" and "--profile-batches" in inv.argv]
-    assert len(via_b) == 2 and all(inv.argv[:2] == ["--writers", "6"] for inv in via_b)  # $B expanded (calls 1, 2)
+    assert len(via_b) >= 2 and all(inv.argv[:2] == ["--writers", "6"] for inv in via_b)  # $B expanded (calls 1, 2, ...)
     assert sum(inv.script == "extract_bench" for inv in found) >= 8
 
 
