@@ -15,6 +15,9 @@ Rows (each: relative L2 error against the definition and the time of one call, m
 - combine: the experts as a compiled layer runs them, `residual + fused_experts(...)` under `experts_kernel="auto"`:
   the top-k sum outside the custom op (fused_moe today: Inductor sums in the residual add's kernel) against it
   inside an opaque op (fused_moe's earlier layout: aten's reduction, then the add), side by side;
+- router: a softmax top-k router's routing (Qwen3-30B-A3B's 128 experts, top 8), compiled as transformers' code
+  runs it (softmax in float32, torch.topk: aten's gatherTopK, then the division) against the project's one kernel
+  (eagle3/extract/fused_router.py), alternated: the experts chosen (equal where no probabilities tie), the weights;
 - linear-fp8: one FP8 checkpoint linear (DeepSeek-V3's widths, MLA's 576-row kv_a_proj_with_mqa among them) beside
   torch._scaled_mm's FP8 GEMM (row-wise scales, all ones) and a bf16 GEMM of the same shape; its input's quantization
   and its GEMM timed apart; and torch's block-scaled FP8 GEMM on the checkpoint's own layout (the lever to try).
@@ -203,6 +206,38 @@ def check_combine(name, tokens, device, dtype, reps) -> dict:
     return row
 
 
+def check_router(tokens, device, dtype, reps) -> dict:
+    """Qwen3-MoE's routing, compiled: transformers' softmax + topk + division against fused_router's kernel."""
+    from eagle3.extract.fused_router import softmax_topk
+
+    experts, k = EXPERTS["qwen3-30b-a3b"][2:] if device.type == "cuda" else SMOKE_EXPERTS[2:]
+    g = torch.Generator(device=device).manual_seed(tokens)
+    logits = (torch.randn(tokens, experts, device=device, generator=g) * 2).to(dtype)
+
+    def transformers_routing(x):
+        p = torch.nn.functional.softmax(x, dtype=torch.float, dim=-1)
+        v, i = torch.topk(p, k, dim=-1)
+        return (v / v.sum(dim=-1, keepdim=True)).to(x.dtype), i
+
+    ref = torch.compile(transformers_routing)
+    fused = torch.compile(lambda x: (lambda w, i: (w.to(x.dtype), i))(*softmax_topk(x, k, True)))
+    (rw, ri), (fw, fi) = ref(logits), fused(logits)
+    p = torch.softmax(logits, dtype=torch.float, dim=-1)
+    row = {"tokens": tokens, "experts": experts, "top_k": k,
+           "experts_equal_share": float((fi == ri).float().mean()),
+           "picked_probabilities_equal": bool(torch.equal(p.gather(1, fi).sort(1).values,
+                                                          p.gather(1, ri).sort(1).values)),
+           "weights_rel_l2": rel(fw.sort(1).values, rw.sort(1).values)}
+    times = {"transformers_ms": [], "fused_ms": []}
+    rounds, reps = (3, reps) if device.type == "cuda" else (1, 1)
+    for _ in range(rounds):
+        for key, fn in (("transformers_ms", ref), ("fused_ms", fused)):
+            times[key].append(1e3 * timed(lambda fn=fn: fn(logits), device, reps))
+    row.update({key: min(t) for key, t in times.items()})
+    row["fused_over_transformers"] = row["transformers_ms"] / row["fused_ms"]  # > 1: the kernel is faster
+    return row
+
+
 def check_experts(name, tokens, device, dtype, reps, fp8: bool = True) -> dict:
     hidden, width, experts, k = EXPERTS.get(name, SMOKE_EXPERTS)
     x, idx, w, up, dn = experts_batch(name, tokens, device, dtype)
@@ -322,7 +357,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--tokens", type=int, default=16384, help="tokens of one batch")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny shapes (the interpreter)")
-    ap.add_argument("--rows", default="quantize,experts,combine,linears", help="which rows, comma-separated")
+    ap.add_argument("--rows", default="quantize,experts,combine,router,linears", help="which rows, comma-separated")
     ap.add_argument("--shapes", default=",".join(EXPERTS), help="the experts rows' widths, comma-separated "
                     f"(of {', '.join(EXPERTS)})")
     ap.add_argument("--no-fp8", action="store_true", help="the experts rows without their FP8 half")
@@ -336,7 +371,7 @@ def main(argv=None) -> int:
     dtype = torch.bfloat16
     tokens = 40 if device.type == "cpu" else a.tokens
     res = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "tokens": tokens,
-           "quantize": {}, "experts": {}, "combine": {}, "linears": {}}
+           "quantize": {}, "experts": {}, "combine": {}, "router": {}, "linears": {}}
     wanted = a.rows.split(",")
 
     def save(kind, name):  # each row as it lands: a call cut short keeps what ran
@@ -367,6 +402,10 @@ def main(argv=None) -> int:
     for name in (shapes if device.type == "cuda" else ("smoke",)) if "combine" in wanted else ():
         res["combine"][name] = check_combine(name, tokens, device, dtype, a.reps)
         save("combine", name)
+    if "router" in wanted:
+        res["router"]["qwen3-30b-a3b" if device.type == "cuda" else "smoke"] = check_router(tokens, device, dtype,
+                                                                                             a.reps)
+        save("router", next(iter(res["router"])))
     linears = LINEARS if device.type == "cuda" else {"smoke": SMOKE_LINEAR}
     for name, (out_f, in_f) in linears.items() if "linears" in wanted else ():
         res["linears"][name] = check_linear(out_f, in_f, tokens, device, dtype, a.reps)

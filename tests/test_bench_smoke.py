@@ -155,6 +155,10 @@ def test_kernels_check_smoke_checks_each_kernel_against_its_definition(tmp_path)
     assert combine["experts_kernel"] == "tiles" and combine["rel_l2_outside_vs_inside"] < 0.01
     assert combine["inside_ms"] > 0 and combine["outside_ms"] > 0 and combine["outside_over_inside"] > 0
     assert all(q["bytes_equal"] and q["values_equal_at_kernel_scales"] for q in res["quantize"].values())
+    # the router: the same probabilities picked (experts differ only among equal ones), the same weights
+    router = res["router"]["smoke"]
+    assert router["picked_probabilities_equal"] and router["experts_equal_share"] > 0.9, router
+    assert router["weights_rel_l2"] < 1e-6 and router["fused_ms"] > 0 and router["transformers_ms"] > 0
 
 
 def test_kernels_check_rates_each_tile_from_the_autotuners_timings(monkeypatch):

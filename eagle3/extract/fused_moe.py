@@ -13,6 +13,7 @@ is about a quarter of the experts' GEMM time. Here there are two kernels and one
   aten's reduction over the [S, hidden] buffer alone (4% of the Qwen3-30B-A3B forward's kernel time on the H200).
 Pairs are grouped per expert in blocks of BLOCK_M rows, each expert's group padded to whole blocks
 (`align_pairs`, on the device: no host sync). The kernels sit behind a torch custom op, opaque to torch.compile.
+A softmax top-k router's routing is one kernel too where these experts run (eagle3.extract.fused_router).
 FP8 weights in 128 x 128 blocks (DeepSeek-V3's FP8 checkpoint) run as float8 MMAs, each GEMM's input quantized per
 token and 128 values first (`quantize_groups`).
 

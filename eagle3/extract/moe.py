@@ -135,7 +135,10 @@ def apply_experts_implementation(model, name: str | None) -> None:
     if name is None or getattr(model.config, "_experts_implementation", None) == name:
         return
     if name == fused_moe.NAME:
+        from eagle3.extract import fused_router
+
         fused_moe.register(experts_modules(model))
+        fused_router.apply(model)  # softmax top-k routers: their routing one kernel too
     try:
         model.set_experts_implementation(name)
     except (ValueError, ImportError, RuntimeError) as e:
