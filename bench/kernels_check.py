@@ -18,6 +18,8 @@ Rows (each: relative L2 error against the definition and the time of one call, m
 - router: a softmax top-k router's routing (Qwen3-30B-A3B's 128 experts, top 8), compiled as transformers' code
   runs it (softmax in float32, torch.topk: aten's gatherTopK, then the division) against the project's one kernel
   (eagle3/extract/fused_router.py), alternated: the experts chosen (equal where no probabilities tie), the weights;
+  and the routing plan of those experts (fused_moe.align_pairs) by torch's ops against the counting sort's two
+  kernels (eagle3/extract/fused_moe_align.py), its bytes and its time;
 - linear-fp8: one FP8 checkpoint linear (DeepSeek-V3's widths, MLA's 576-row kv_a_proj_with_mqa among them) beside
   torch._scaled_mm's FP8 GEMM (row-wise scales, all ones) and a bf16 GEMM of the same shape; its input's quantization
   and its GEMM timed apart; and torch's block-scaled FP8 GEMM on the checkpoint's own layout (the lever to try).
@@ -223,18 +225,29 @@ def check_router(tokens, device, dtype, reps) -> dict:
     fused = torch.compile(lambda x: (lambda w, i: (w.to(x.dtype), i))(*softmax_topk(x, k, True)))
     (rw, ri), (fw, fi) = ref(logits), fused(logits)
     p = torch.softmax(logits, dtype=torch.float, dim=-1)
-    row = {"tokens": tokens, "experts": experts, "top_k": k,
+    # the routing plan of the same experts (fused_moe.align_pairs): torch's ops against the counting sort's kernels
+    from eagle3.extract.fused_moe import align_pairs_torch
+    from eagle3.extract.fused_moe_align import align_pairs
+
+    block_m = fused_moe.block_m_for(fi.numel(), experts, device)
+    align = {"align_bytes_equal": all(torch.equal(a, b) for a, b in zip(align_pairs(fi, experts, block_m),
+                                                                          align_pairs_torch(fi, experts, block_m)))}
+    row = {"tokens": tokens, "experts": experts, "top_k": k, **align,
            "experts_equal_share": float((fi == ri).float().mean()),
            "picked_probabilities_equal": bool(torch.equal(p.gather(1, fi).sort(1).values,
                                                           p.gather(1, ri).sort(1).values)),
            "weights_rel_l2": rel(fw.sort(1).values, rw.sort(1).values)}
-    times = {"transformers_ms": [], "fused_ms": []}
+    runs = {"transformers_ms": lambda: ref(logits), "fused_ms": lambda: fused(logits),
+            "align_torch_ms": lambda: align_pairs_torch(fi, experts, block_m),
+            "align_kernels_ms": lambda: align_pairs(fi, experts, block_m)}
+    times = {key: [] for key in runs}
     rounds, reps = (3, reps) if device.type == "cuda" else (1, 1)
     for _ in range(rounds):
-        for key, fn in (("transformers_ms", ref), ("fused_ms", fused)):
-            times[key].append(1e3 * timed(lambda fn=fn: fn(logits), device, reps))
+        for key, fn in runs.items():
+            times[key].append(1e3 * timed(fn, device, reps))
     row.update({key: min(t) for key, t in times.items()})
     row["fused_over_transformers"] = row["transformers_ms"] / row["fused_ms"]  # > 1: the kernel is faster
+    row["align_kernels_over_torch"] = row["align_torch_ms"] / row["align_kernels_ms"]
     return row
 
 

@@ -159,6 +159,7 @@ def test_kernels_check_smoke_checks_each_kernel_against_its_definition(tmp_path)
     router = res["router"]["smoke"]
     assert router["picked_probabilities_equal"] and router["experts_equal_share"] > 0.9, router
     assert router["weights_rel_l2"] < 1e-6 and router["fused_ms"] > 0 and router["transformers_ms"] > 0
+    assert router["align_bytes_equal"] and router["align_kernels_ms"] > 0 and router["align_torch_ms"] > 0
 
 
 def test_kernels_check_rates_each_tile_from_the_autotuners_timings(monkeypatch):

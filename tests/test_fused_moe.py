@@ -59,6 +59,51 @@ def test_align_pairs_groups_each_expert_in_whole_blocks(block_m, skew):
     assert used == sorted(used) and set(used) == set(flat.tolist())
 
 
+@pytest.mark.parametrize("tokens, experts, top_k, block_m, elsewhere", [
+    (37, 6, 2, 4, False), (200, 16, 4, 16, True), (1, 8, 2, 1, False), (0, 8, 2, 4, False),
+    (1500, 128, 8, 64, False), (700, 256, 8, 128, True)])
+def test_the_gpus_counting_sort_writes_the_torch_ops_bytes(tokens, experts, top_k, block_m, elsewhere):
+    """fused_moe_align's two kernels (interpreted here; what align_pairs runs on a GPU) give the torch ops'
+    pairs and blocks byte for byte: skewed, empty and other ranks' experts (expert parallelism), token counts off
+    the chunk and step sizes, 128 and 256 experts."""
+    from eagle3.extract import fused_moe_align
+
+    g = torch.Generator().manual_seed(tokens + experts)
+    hi = experts + 5 if elsewhere else experts  # ids past the experts: other ranks' (transformers' sentinel)
+    idx = torch.randint(0, hi, (tokens, top_k), generator=g)
+    idx[: tokens // 3] = torch.arange(top_k)  # skew: a third of the tokens on the first experts
+    idx[:, -1] = torch.where(idx[:, -1] == experts - 1, 0, idx[:, -1])  # an expert with (almost) no pairs
+    got = fused_moe_align.align_pairs(idx, experts, block_m, elsewhere)
+    want = fused_moe.align_pairs_torch(idx, experts, block_m, elsewhere)
+    assert all(a.dtype == b.dtype == torch.int32 and torch.equal(a, b) for a, b in zip(got, want))
+
+
+def test_the_counting_sort_compiles_for_hopper_without_spilling(tmp_path):
+    """Both kernels at each step size a launch takes (128 experts; 256, and 257 groups under expert parallelism):
+    ptxas for sm_90 reports no spill stores."""
+    import subprocess
+
+    from triton.backends.compiler import GPUTarget
+    from triton.backends.nvidia.compiler import get_ptxas
+    from triton.compiler import ASTSource, compile
+
+    from eagle3.extract import fused_moe_align
+
+    for groups in (128, 256, 257):
+        g, chunk, block = fused_moe_align.steps(groups, "cuda")
+        for fn in fused_moe_align.KERNELS["cuda"]:
+            constants = {"CHUNK": chunk, "BLOCK": block, "G": g}
+            kinds = {"ids_ptr": "*i64", "counts_ptr": "*i32", "first_ptr": "*i32", "pairs_ptr": "*i32"}
+            signature = {a: kinds.get(a, "constexpr" if a in constants else "i32") for a in fn.arg_names}
+            source = ASTSource(fn=fn, signature=signature,
+                               constexprs={(fn.arg_names.index(k),): v for k, v in constants.items()})
+            ptx = tmp_path / f"{fn.fn.__name__}-{groups}.ptx"
+            ptx.write_text(compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"])
+            out = subprocess.run([get_ptxas(90).path, "-v", "--gpu-name=sm_90a", str(ptx), "-o",
+                                  str(ptx.with_suffix(".cubin"))], capture_output=True, text=True, check=True)
+            assert " 0 bytes spill stores" in out.stdout + out.stderr, (fn.fn.__name__, groups)
+
+
 @pytest.mark.parametrize("tiles", ["cpu-default", "small", "small-grouped", "even"])
 @pytest.mark.parametrize("dtype, atol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
 @pytest.mark.parametrize("tokens, skew", [(1, False), (37, False), (200, True)])

@@ -87,7 +87,18 @@ def align_pairs(top_k_index: torch.Tensor, num_experts: int, block_m: int,
     expert of each block (num_experts or more past the experts' groups: no kernel runs those blocks). capacity is
     the bound S + E (block_m - 1), so every shape is known without reading the counts back to the host.
     `elsewhere` (expert parallelism): ids >= num_experts name experts on other ranks; their pairs form one group
-    after the last expert's."""
+    after the last expert's. On a GPU two Triton kernels do it (eagle3.extract.fused_moe_align: the same bytes),
+    elsewhere torch's ops (`align_pairs_torch`)."""
+    if top_k_index.device.type == "cuda":
+        from eagle3.extract import fused_moe_align
+
+        return fused_moe_align.align_pairs(top_k_index, num_experts, block_m, elsewhere)
+    return align_pairs_torch(top_k_index, num_experts, block_m, elsewhere)
+
+
+def align_pairs_torch(top_k_index: torch.Tensor, num_experts: int, block_m: int,
+                      elsewhere: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """`align_pairs` by torch's ops: a stable sort of the expert ids, then the groups' padded slots."""
     groups = num_experts + elsewhere
     ids = top_k_index.reshape(-1).long()
     ids = ids.clamp(max=num_experts) if elsewhere else ids
