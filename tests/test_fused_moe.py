@@ -81,27 +81,17 @@ def test_the_gpus_counting_sort_writes_the_torch_ops_bytes(tokens, experts, top_
 def test_the_counting_sort_compiles_for_hopper_without_spilling(tmp_path):
     """Both kernels at each step size a launch takes (128 experts; 256, and 257 groups under expert parallelism):
     ptxas for sm_90 reports no spill stores."""
-    import subprocess
-
-    from triton.backends.compiler import GPUTarget
-    from triton.backends.nvidia.compiler import get_ptxas
-    from triton.compiler import ASTSource, compile
-
     from eagle3.extract import fused_moe_align
+    from tests.support.hopper import spill_report
 
+    kinds = {"ids_ptr": "*i64", "counts_ptr": "*i32", "first_ptr": "*i32", "pairs_ptr": "*i32"}
     for groups in (128, 256, 257):
         g, chunk, block = fused_moe_align.steps(groups, "cuda")
         for fn in fused_moe_align.KERNELS["cuda"]:
-            constants = {"CHUNK": chunk, "BLOCK": block, "G": g}
-            kinds = {"ids_ptr": "*i64", "counts_ptr": "*i32", "first_ptr": "*i32", "pairs_ptr": "*i32"}
-            signature = {a: kinds.get(a, "constexpr" if a in constants else "i32") for a in fn.arg_names}
-            source = ASTSource(fn=fn, signature=signature,
-                               constexprs={(fn.arg_names.index(k),): v for k, v in constants.items()})
-            ptx = tmp_path / f"{fn.fn.__name__}-{groups}.ptx"
-            ptx.write_text(compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"])
-            out = subprocess.run([get_ptxas(90).path, "-v", "--gpu-name=sm_90a", str(ptx), "-o",
-                                  str(ptx.with_suffix(".cubin"))], capture_output=True, text=True, check=True)
-            assert " 0 bytes spill stores" in out.stdout + out.stderr, (fn.fn.__name__, groups)
+            report = spill_report(fn, {"CHUNK": chunk, "BLOCK": block, "G": g}, kinds, tmp_path)
+            assert " 0 bytes spill stores" in report, (fn.fn.__name__, groups, report)
+    assert " 0 bytes spill stores" not in spill_report(fused_moe_align.KERNELS["cuda"][1],
+                                                      {"CHUNK": 1024, "BLOCK": 128, "G": 512}, kinds, tmp_path)
 
 
 @pytest.mark.parametrize("tiles", ["cpu-default", "small", "small-grouped", "even"])

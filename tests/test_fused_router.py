@@ -76,26 +76,14 @@ def test_the_fused_experts_take_over_softmax_routers_only():
 def test_the_kernel_compiles_for_hopper_without_spilling(tmp_path):
     """At Qwen3-30B-A3B's 128 experts and top 8 (and at 256), a program's tile stays in registers: ptxas for
     sm_90 reports no spill stores (64 tokens a program would spill)."""
-    import subprocess
+    from tests.support.hopper import spill_report
 
-    from triton.backends.compiler import GPUTarget
-    from triton.backends.nvidia.compiler import get_ptxas
-    from triton.compiler import ASTSource, compile
+    kinds = {"logits_ptr": "*bf16", "weights_ptr": "*fp32", "ids_ptr": "*i64"}
 
-    fn = fused_router.GPU_KERNEL
-
-    def spills(experts: int, block_t: int) -> str:
+    def report(experts: int, block_t: int) -> str:
         constants = {"K": 8, "NORM": True, "BLOCK_T": block_t, "BLOCK_E": experts, "BLOCK_K": 8}
-        kinds = {"logits_ptr": "*bf16", "weights_ptr": "*fp32", "ids_ptr": "*i64"}
-        signature = {a: kinds.get(a, "constexpr" if a in constants else "i32") for a in fn.arg_names}
-        source = ASTSource(fn=fn, signature=signature,
-                           constexprs={(fn.arg_names.index(k),): v for k, v in constants.items()})
-        ptx = tmp_path / f"router-{experts}-{block_t}.ptx"
-        ptx.write_text(compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"])
-        out = subprocess.run([get_ptxas(90).path, "-v", "--gpu-name=sm_90a", str(ptx), "-o",
-                              str(ptx.with_suffix(".cubin"))], capture_output=True, text=True, check=True)
-        return next(line for line in (out.stdout + out.stderr).splitlines() if "spill stores" in line)
+        return spill_report(fused_router.GPU_KERNEL, constants, kinds, tmp_path)
 
     for experts in (128, 256):
-        assert " 0 bytes spill stores" in spills(experts, fused_router.block_tokens(experts, "cuda")), experts
-    assert " 0 bytes spill stores" not in spills(128, 64)
+        assert " 0 bytes spill stores" in report(experts, fused_router.block_tokens(experts, "cuda")), experts
+    assert " 0 bytes spill stores" not in report(128, 64)
