@@ -54,9 +54,9 @@ def tiny_model(model_type: str):
 
 
 def test_the_fused_experts_take_over_softmax_routers_only():
-    """Switching a Qwen3-MoE target to the fused experts swaps each router's forward; a router returns what
-    transformers' returns (logits, weights in the logits' dtype, experts); DeepSeek-V3's own routing (sigmoid,
-    groups) is left alone."""
+    """Switching a Qwen3-MoE target to the fused experts swaps each router's forward, and to another experts
+    kernel swaps it back; a router returns what transformers' returns (logits, weights in the logits' dtype,
+    experts); DeepSeek-V3's own routing (sigmoid, groups) is left alone."""
     from eagle3.extract import moe
 
     model = tiny_model("qwen3_moe")
@@ -70,6 +70,8 @@ def test_the_fused_experts_take_over_softmax_routers_only():
         got_logits, got_weights, got_ids = r(x)
         assert torch.equal(got_logits, logits) and torch.equal(got_ids, ids) and got_weights.dtype == weights.dtype
         torch.testing.assert_close(got_weights, weights, rtol=1e-6, atol=1e-7)
+    moe.apply_experts_implementation(model, "grouped_mm")  # another experts kernel: transformers' routers again
+    assert all("forward" not in vars(r) for r in routers) and torch.equal(routers[0](x)[2], before[0][2])
     assert fused_router.apply(tiny_model("deepseek_v3")) == 0
 
 

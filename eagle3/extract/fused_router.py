@@ -36,7 +36,8 @@ def softmax_topk_kernel(logits_ptr, weights_ptr, ids_ptr, T, E, stride, K: tl.co
     # reductions spelt as the ones they call: the interpreter maps these combine functions to numpy's
     x = x - tl.reduce(x, 1, tl.standard._elementwise_max)[:, None]
     p = tl.where(inside, tl.exp(x), 0.0)
-    p = tl.div_rn(p, tl.maximum(tl.reduce(p, 1, tl.standard._sum_combine), 1e-30)[:, None])  # IEEE division, as torch's softmax
+    total = tl.maximum(tl.reduce(p, 1, tl.standard._sum_combine), 1e-30)
+    p = tl.div_rn(p, total[:, None])  # IEEE division, as torch's softmax (Triton's "/" is approximate on a GPU)
     slots = tl.arange(0, BLOCK_K)
     top = tl.full((BLOCK_T, BLOCK_K), 0.0, tl.float32)  # (tl.full, not tl.zeros: the interpreter calls no @jit)
     ids = tl.full((BLOCK_T, BLOCK_K), 0, tl.int64)
@@ -95,10 +96,15 @@ def router_forward(self, hidden_states: torch.Tensor):
 
 
 def apply(model) -> int:
-    """Swap the forward of each router of ROUTERS in `model` for `router_forward`; how many were swapped."""
-    swapped = 0
+    """Swap the forward of each router of ROUTERS in `model` for `router_forward`; how many run it."""
+    routers = [m for m in model.modules() if type(m).__name__ in ROUTERS]
+    for module in routers:
+        module.forward = types.MethodType(router_forward, module)
+    return len(routers)
+
+
+def restore(model) -> None:
+    """Give each router `apply` took over its class's forward back."""
     for module in model.modules():
-        if type(module).__name__ in ROUTERS:
-            module.forward = types.MethodType(router_forward, module)
-            swapped += 1
-    return swapped
+        if getattr(vars(module).get("forward"), "__func__", None) is router_forward:
+            del module.forward

@@ -11,6 +11,8 @@ them to where they run compiled and falls back to grouped_mm elsewhere. The othe
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 from eagle3.errors import ConfigError
@@ -131,14 +133,20 @@ def apply_experts_kernel(model, experts: str | None, kernel: str) -> str | None:
 
 
 def apply_experts_implementation(model, name: str | None) -> None:
-    """Switch the model's experts kernel (a no-op for dense targets or when it already runs `name`)."""
-    if name is None or getattr(model.config, "_experts_implementation", None) == name:
+    """Switch the model's experts kernel (a no-op for dense targets or when it already runs `name`), and its
+    softmax top-k routers to the fused router's kernel with the fused experts, back to transformers' code else."""
+    if name is None:
         return
     if name == fused_moe.NAME:
         from eagle3.extract import fused_router
 
+        fused_router.apply(model)
+    elif "eagle3.extract.fused_router" in sys.modules:  # (not imported: no router was taken over)
+        sys.modules["eagle3.extract.fused_router"].restore(model)
+    if getattr(model.config, "_experts_implementation", None) == name:
+        return
+    if name == fused_moe.NAME:
         fused_moe.register(experts_modules(model))
-        fused_router.apply(model)  # softmax top-k routers: their routing one kernel too
     try:
         model.set_experts_implementation(name)
     except (ValueError, ImportError, RuntimeError) as e:
