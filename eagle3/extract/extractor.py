@@ -316,9 +316,10 @@ class ShardExtractor:
         cuda = torch.device(self.cfg.device).type == "cuda"
         n_cap, H = len(self.cfg.target.capture_layers), self.shape.hidden_size
         todo = chunks[len(m.chunks):]
-        rows = host_buffer_rows(data.lengths, todo, self.plan)
+        rows, storage = host_buffer_rows(data.lengths, todo, self.plan), self.storage
+        # (`make` holds no reference to self: the buffers go when the pool does, not at the next garbage collection)
         self.pool = HostBufferPool(self.cfg.writer_threads + 1 if cuda else 2,
-                                   lambda: StateBuffers(rows, n_cap, H, self.storage, "cpu", pin=cuda))
+                                   lambda: StateBuffers(rows, n_cap, H, storage, "cpu", pin=cuda))
         # all of them (pinned on a GPU) while the model loads: what a run needs depends on the disk, and the
         # next extractor of the process (HostBufferPool) finds every block of this one's size
         self.pool.make_ahead(self.pool.limit)

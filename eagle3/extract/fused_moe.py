@@ -7,10 +7,10 @@ each (token, expert) pair's row into expert order, grouped GEMM (gate and up), S
 is about a quarter of the experts' GEMM time. Here there are two kernels and one reduction:
 - gate_up: A's rows are read straight from the tokens' hidden states through the expert-sorted pair list (no
   gathered copy); each program holds the gate and the up tile of the same columns and writes SiLU(gate) x up;
-- down: its epilogue scales by the routing weight and writes each pair's row in pair order; the top-k sum is one
-  reduction (no atomics, so a re-run writes the same bytes), outside the custom op (`fused_experts` over
-  `expert_pairs`), where torch.compile fuses it with the ops after it (the residual add) instead of running
-  aten's reduction over the [S, hidden] buffer alone (4% of the Qwen3-30B-A3B forward's kernel time on the H200).
+- down: its epilogue scales by the routing weight and writes each pair's row in pair order (`expert_pairs`); the
+  top-k sum is one torch reduction (no atomics, so a re-run writes the same bytes), inside the custom op
+  (`fused_experts`): compiled, the sum outside it, which Inductor fuses with the residual add after it, ran
+  slower, 0.88x / 0.96x at the Qwen3-30B-A3B / DeepSeek-V3 widths (kernels_check's combine row, H100, 2026-12-06).
 Pairs are grouped per expert in blocks of BLOCK_M rows, each expert's group padded to whole blocks
 (`align_pairs`, on the device: no host sync). The kernels sit behind a torch custom op, opaque to torch.compile.
 A softmax top-k router's routing is one kernel too where these experts run (eagle3.extract.fused_router).
@@ -141,6 +141,7 @@ def quantize_experts(module) -> None:
     module.block_size, module.activation_scheme = (FP8_BLOCK, FP8_BLOCK), "dynamic"
 
 
+@torch.library.custom_op("eagle3::triton_fused_experts", mutates_args=())
 def fused_experts(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, gate_up_proj: torch.Tensor,
                   down_proj: torch.Tensor, gate_up_scale: torch.Tensor | None = None,
                   down_scale: torch.Tensor | None = None, expert_parallel: bool = False,
@@ -149,6 +150,12 @@ def fused_experts(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: tor
     pairs = expert_pairs(x, top_k_index, top_k_weights, gate_up_proj, down_proj, gate_up_scale, down_scale,
                          expert_parallel, experts_kernel)
     return pairs.view(x.shape[0], top_k_index.shape[-1], -1).sum(dim=1)
+
+
+@fused_experts.register_fake
+def _(x, top_k_index, top_k_weights, gate_up_proj, down_proj, gate_up_scale=None, down_scale=None,
+      expert_parallel=False, experts_kernel="tiles"):
+    return torch.empty_like(x)
 
 
 @torch.library.custom_op("eagle3::triton_fused_expert_pairs", mutates_args=())
