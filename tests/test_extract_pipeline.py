@@ -257,6 +257,33 @@ def test_extractor_makes_host_buffers_while_the_model_loads(tiny_done, tiny_mode
     assert chunk_bytes(tmp_path / "out" / "shard-00000") == chunk_bytes(tiny_done[0])
 
 
+def test_host_buffers_are_freed_when_the_run_returns(tiny_model, spec, tmp_path, monkeypatch):
+    """Nothing keeps a finished run's host buffers (no reference cycle through the pool), so they go back to the
+    pinned allocator at once, where the process's next shard finds them, not at the next garbage collection."""
+    import gc
+    import threading
+    import weakref
+
+    import eagle3.extract.extractor as ex
+
+    made, real_buffers = [], ex.StateBuffers
+
+    def buffers(*a, **kw):
+        b = real_buffers(*a, **kw)
+        if threading.current_thread().name == "host-buffers":
+            made.append(weakref.ref(b.block))
+        return b
+
+    monkeypatch.setattr(ex, "StateBuffers", buffers)
+    gc.collect()
+    gc.disable()
+    try:
+        tiny_run(tiny_model, spec, tmp_path / "out")
+        assert len(made) == 2 and [r() for r in made] == [None, None]
+    finally:
+        gc.enable()
+
+
 def tiny_per_token_bytes() -> int:
     from eagle3.extract.memory import estimate_batch_bytes
 
