@@ -105,16 +105,27 @@ def align_pairs_torch(top_k_index: torch.Tensor, num_experts: int, block_m: int,
     s, device = ids.numel(), ids.device
     sorted_experts, order = torch.sort(ids, stable=True)
     counts = torch.zeros(groups, dtype=torch.long, device=device).scatter_add_(0, ids, torch.ones_like(ids))
-    padded = (counts + block_m - 1) // block_m * block_m
-    padded_end = torch.cumsum(padded, 0)
+    capacity = pair_capacity(s, groups, block_m)
+    padded_start, block_expert = padded_groups(counts, block_m, capacity)
     group_start = torch.cumsum(counts, 0) - counts
-    dest = (padded_end - padded)[sorted_experts] + torch.arange(s, device=device) - group_start[sorted_experts]
-    capacity = -(-(s + min(groups, s) * (block_m - 1)) // block_m) * block_m
+    dest = padded_start[sorted_experts] + torch.arange(s, device=device) - group_start[sorted_experts]
     pairs = torch.full((capacity,), s, dtype=torch.int32, device=device)
     pairs[dest] = order.to(torch.int32)  # each dest once: deterministic
-    block_starts = torch.arange(0, capacity, block_m, device=device)
-    block_expert = torch.searchsorted(padded_end, block_starts, right=True).to(torch.int32)
     return pairs, block_expert
+
+
+def pair_capacity(num_pairs: int, groups: int, block_m: int) -> int:
+    """Slots of the padded pair list: the bound num_pairs + groups (block_m - 1), in whole blocks (`align_pairs`)."""
+    return -(-(num_pairs + min(groups, num_pairs) * (block_m - 1)) // block_m) * block_m
+
+
+def padded_groups(counts: torch.Tensor, block_m: int, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(padded_start int64 [groups], block_expert int32 [capacity // block_m]) for pair counts per group: each
+    group's first slot, its size padded to whole blocks, and the group of each block (`align_pairs`)."""
+    padded = (counts + block_m - 1) // block_m * block_m
+    padded_end = torch.cumsum(padded, 0)
+    block_starts = torch.arange(0, capacity, block_m, device=counts.device)
+    return padded_end - padded, torch.searchsorted(padded_end, block_starts, right=True).to(torch.int32)
 
 
 def quantize_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

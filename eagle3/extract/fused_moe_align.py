@@ -18,6 +18,8 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
+from eagle3.extract.fused_moe import padded_groups, pair_capacity
+
 
 def count_kernel(ids_ptr, counts_ptr, S, last_group, CHUNK: tl.constexpr, BLOCK: tl.constexpr, G: tl.constexpr):
     """counts[c, g] = pairs of chunk c routed to group g (ids past last_group count as last_group)."""
@@ -69,22 +71,18 @@ def align_pairs(top_k_index: torch.Tensor, num_experts: int, block_m: int,
     groups = num_experts + elsewhere
     ids = top_k_index.reshape(-1)
     s, device = ids.numel(), ids.device
-    capacity = -(-(s + min(groups, s) * (block_m - 1)) // block_m) * block_m
+    capacity = pair_capacity(s, groups, block_m)
     g, chunk, block = steps(groups, device.type)
     count, place = KERNELS["cuda" if device.type == "cuda" else "cpu"]
     chunks = triton.cdiv(s, chunk)
     counts = torch.empty(chunks, g, dtype=torch.int32, device=device)
     if s:
         count[(chunks,)](ids, counts, s, groups - 1, CHUNK=chunk, BLOCK=block, G=g)
-    per_group = counts.sum(0, dtype=torch.int64)[:groups]
-    padded = (per_group + block_m - 1) // block_m * block_m
-    padded_end = torch.cumsum(padded, 0)
+    padded_start, block_expert = padded_groups(counts.sum(0, dtype=torch.int64)[:groups], block_m, capacity)
     # each (chunk, group)'s first slot: the group's padded start, plus its pairs in the chunks before
-    first = (padded_end - padded)[None, :] + torch.cumsum(counts[:, :groups], 0, dtype=torch.int64) - counts[:, :groups]
+    first = padded_start[None, :] + torch.cumsum(counts[:, :groups], 0, dtype=torch.int64) - counts[:, :groups]
     first = torch.nn.functional.pad(first, (0, g - groups)).to(torch.int32).contiguous()
     pairs = torch.full((capacity,), s, dtype=torch.int32, device=device)
     if s:
         place[(chunks,)](ids, first, pairs, s, groups - 1, CHUNK=chunk, BLOCK=block, G=g)
-    block_starts = torch.arange(0, capacity, block_m, device=device)
-    block_expert = torch.searchsorted(padded_end, block_starts, right=True).to(torch.int32)
     return pairs, block_expert
