@@ -64,15 +64,16 @@ def test_the_fused_experts_take_over_softmax_routers_only():
     assert routers and all("forward" not in vars(r) for r in routers)
     x = torch.randn(50, model.config.hidden_size)
     before = [r(x) for r in routers]
-    moe.apply_experts_implementation(model, "triton_fused")
+    assert moe.apply_experts_implementation(model, "triton_fused") == fused_router.NAME  # the manifest's record
     assert all(vars(r)["forward"].__func__ is fused_router.router_forward for r in routers)
     for r, (logits, weights, ids) in zip(routers, before):
         got_logits, got_weights, got_ids = r(x)
         assert torch.equal(got_logits, logits) and torch.equal(got_ids, ids) and got_weights.dtype == weights.dtype
         torch.testing.assert_close(got_weights, weights, rtol=1e-6, atol=1e-7)
-    moe.apply_experts_implementation(model, "grouped_mm")  # another experts kernel: transformers' routers again
+    assert moe.apply_experts_implementation(model, "grouped_mm") is None  # transformers' routers again
     assert all("forward" not in vars(r) for r in routers) and torch.equal(routers[0](x)[2], before[0][2])
     assert fused_router.apply(tiny_model("deepseek_v3")) == 0
+    assert moe.apply_experts_implementation(tiny_model("deepseek_v3"), "triton_fused") is None
 
 
 def test_the_kernel_compiles_for_hopper_without_spilling(tmp_path):

@@ -165,7 +165,7 @@ def test_resume_refuses_auto_running_other_kernels(targets, merged, tmp_path, mo
     with pytest.raises(InjectedFault):
         run(targets["qwen3_moe"], tmp_path / "cut", spec)
     shard = tmp_path / "cut" / "shard-00000"
-    assert ShardManifest.load(shard).params["kernels"] == {"experts_implementation": "grouped_mm",
+    assert ShardManifest.load(shard).params["kernels"] == {"experts_implementation": "grouped_mm", "router": None,
                                                            "fp8_linear": None,
                                                            "experts_kernel": None}  # the CPU's fallback
     monkeypatch.setattr(moe, "FALLBACK_EXPERTS", "batched_mm")  # as another version's default would
@@ -459,6 +459,38 @@ def test_shard_that_ran_tiles_before_experts_kernel_is_not_resumed_under_tma(tar
     assert "experts_kernel" not in m.params["states"] and m.params["kernels"]["experts_kernel"] == "tiles"
     assert m.fingerprint == ShardManifest.load(Path(whole["shard_dir"])).fingerprint
 
+
+def test_the_kernel_record_names_the_router_and_a_resume_under_another_is_refused(targets, merged, tmp_path,
+                                                                                  monkeypatch):
+    """The fused experts bring the fused router, whose ties route apart from torch.topk's: the kernel record names
+    it, a resume where the same experts_implementation runs another router (another version) is refused naming
+    both, and a record from before the router was named resumes byte-identical."""
+    pytest.importorskip("triton")
+    from eagle3.extract import fused_router
+
+    spec, _ = merged
+    fused = {"experts_implementation": "triton_fused"}
+    whole = run(targets["qwen3_moe"], tmp_path / "whole", spec, **fused)
+    assert ShardManifest.load(Path(whole["shard_dir"])).params["kernels"]["router"] == fused_router.NAME
+    shard_dir = tmp_path / "cut" / Path(whole["shard_dir"]).name
+    shutil.copytree(whole["shard_dir"], shard_dir)
+    m = ShardManifest.load(shard_dir)
+    for c in m.chunks[2:]:
+        (shard_dir / c.file).unlink()
+    m.chunks, m.complete = m.chunks[:2], False
+    m.save(shard_dir)
+    with monkeypatch.context() as patch:
+        patch.setattr(fused_router, "ROUTERS", ())  # a version whose fused experts leave the routers alone
+        with pytest.raises(ConfigError, match="2 chunks were extracted with the router running 'softmax_topk', "
+                                              "this version runs \"the model's own\""):
+            run(targets["qwen3_moe"], tmp_path / "cut", spec, **fused)
+    assert ShardManifest.load(shard_dir).chunks == m.chunks  # nothing written is lost
+    del m.params["kernels"]["router"]
+    m.save(shard_dir)
+    resumed = run(targets["qwen3_moe"], tmp_path / "cut", spec, **fused)
+    assert resumed["resumed_from_chunk"] == 2 and resumed["complete"]
+    assert chunk_bytes(shard_dir) == chunk_bytes(Path(whole["shard_dir"]))
+    assert ShardManifest.load(shard_dir).params["kernels"]["router"] == fused_router.NAME
 
 TASK = textwrap.dedent("""
     import json, sys, time

@@ -192,9 +192,9 @@ class HFBackend:
         check_attention(self.attention, device)
         load_decoder(self, model_path, dtype, device, capture_layers, tp_plan=self.tp_plan)
         self.resolved = moe.resolve(self.model, self.experts, self.compile_scope, self.compile_mode)
-        moe.apply_experts_implementation(self.model, self.resolved["experts_implementation"])
-        self.resolved["experts_kernel"] = moe.apply_experts_kernel(
-            self.model, self.resolved["experts_implementation"], self.experts_kernel)
+        experts = self.resolved["experts_implementation"]
+        self.resolved["router"] = moe.apply_experts_implementation(self.model, experts)
+        self.resolved["experts_kernel"] = moe.apply_experts_kernel(self.model, experts, self.experts_kernel)
         self.resolved["fp8_linear"] = fp8_linear.apply(self.model, self.fp8_linear)
         # flash on MLA (v heads narrower than q/k): v zero-padded (eagle3.extract.attention)
         self.attn_implementation = apply_attention(self.model, self.attention)

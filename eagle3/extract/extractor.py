@@ -50,6 +50,8 @@ log = logging.getLogger(__name__)
 STORAGE_DTYPES = {**DTYPES, FP8: torch.float8_e4m3fn}
 # state params whose "auto" is resolved at load (backend)
 KERNEL_PARAMS = ("experts_implementation", "fp8_linear", "experts_kernel")
+# what else the kernel record names: no param, experts_implementation brings it (records before 2026-12-07 lack it)
+ROUTER = "router"
 BACKENDS = {"hf": HFBackend, "fused-llama": FusedLlamaBackend}
 
 
@@ -193,8 +195,8 @@ class ShardExtractor:
         """What the kernel params ran as. "auto" depends on the version's class defaults and on the device (the
         fused experts fall back to grouped_mm off a GPU), so committed chunks record it and a resume that would
         run other kernels over them is refused, naming the value that runs theirs; a manifest from before the
-        record resumes unchecked."""
-        now = {k: v for k, v in getattr(backend, "resolved", {}).items() if k in KERNEL_PARAMS}
+        record resumes unchecked, as does the router where the record predates it."""
+        now = {k: v for k, v in getattr(backend, "resolved", {}).items() if k in (*KERNEL_PARAMS, ROUTER)}
         ran = kernels_ran(m)
         if m.chunks and ran is None:
             return  # chunks from before the record: what ran is not known, so nothing is recorded for them
@@ -205,6 +207,13 @@ class ShardExtractor:
                     f"{ran.get(name)!r}, this run's {name}={getattr(self.cfg, name)!r} runs {now.get(name)!r} "
                     f"(another version's default or another device); the stored states would mix: re-run with "
                     f"{name}={ran.get(name)!r}, or delete {self.shard_dir} to extract the shard again")
+        if m.chunks and ROUTER in ran and ran[ROUTER] != now.get(ROUTER):  # the same experts, another version
+            ran_by, runs = (r or "the model's own" for r in (ran[ROUTER], now.get(ROUTER)))
+            raise ConfigError(
+                f"{self.shard_dir / MANIFEST_NAME}: {len(m.chunks)} chunks were extracted with the router running "
+                f"{ran_by!r}, this version runs {runs!r} with experts_implementation={now.get(KERNEL_PARAMS[0])!r} "
+                f"(their ties between experts route apart, so the stored states would mix): resume with the version "
+                f"that began the shard, or delete {self.shard_dir} to extract it again")
         m.params["kernels"] = now
 
     def _open_manifest(self) -> ShardManifest:

@@ -23,6 +23,7 @@ from triton.runtime.interpreter import InterpretedFunction
 # transformers' router classes whose forward is Qwen3-MoE's: linear, softmax in float32, topk, optional division
 # by the k weights' sum (norm_topk_prob), weights cast to the logits' dtype
 ROUTERS = ("Qwen3MoeTopKRouter", "Qwen2MoeTopKRouter", "OlmoeTopKRouter", "Qwen3NextTopKRouter")
+NAME = "softmax_topk"  # the manifest's kernel record names the router that ran (its ties differ from torch.topk's)
 
 
 def softmax_topk_kernel(logits_ptr, weights_ptr, ids_ptr, T, E, stride, K: tl.constexpr, NORM: tl.constexpr,

@@ -132,19 +132,21 @@ def apply_experts_kernel(model, experts: str | None, kernel: str) -> str | None:
     return resolved
 
 
-def apply_experts_implementation(model, name: str | None) -> None:
+def apply_experts_implementation(model, name: str | None) -> str | None:
     """Switch the model's experts kernel (a no-op for dense targets or when it already runs `name`), and its
-    softmax top-k routers to the fused router's kernel with the fused experts, back to transformers' code else."""
+    softmax top-k routers to the fused router's kernel with the fused experts, back to transformers' code else.
+    Returns the router that runs: fused_router.NAME where it took some over, None for the model's own."""
+    router = None
     if name is None:
-        return
+        return router
     if name == fused_moe.NAME:
         from eagle3.extract import fused_router
 
-        fused_router.apply(model)
+        router = fused_router.NAME if fused_router.apply(model) else None
     elif "eagle3.extract.fused_router" in sys.modules:  # (not imported: no router was taken over)
         sys.modules["eagle3.extract.fused_router"].restore(model)
     if getattr(model.config, "_experts_implementation", None) == name:
-        return
+        return router
     if name == fused_moe.NAME:
         fused_moe.register(experts_modules(model))
     try:
@@ -152,6 +154,7 @@ def apply_experts_implementation(model, name: str | None) -> None:
     except (ValueError, ImportError, RuntimeError) as e:
         raise ConfigError(f"extract param experts_implementation={name!r}: transformers refuses it for "
                           f"{type(model).__name__}: {e}") from e
+    return router
 
 
 def experts_modules(model) -> list:
