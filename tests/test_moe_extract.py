@@ -408,17 +408,22 @@ def test_experts_kernel_resolves_per_device_dtype_and_widths(targets, monkeypatc
 
 def test_tma_w_extraction_states_equal_the_reference_and_record_the_kernel(targets, merged, tmp_path, monkeypatch):
     """experts_kernel="tma_w" runs the TMA kernels (in the interpreter) through the whole extractor: the states
-    equal output_hidden_states, the manifest records the kernel, and a resume under another is refused."""
+    equal output_hidden_states, the manifest records the kernel, and a resume under another is refused. Every
+    batch's BLOCK_M is chosen from the planned batch (token_budget x top_k pairs), not from its own tokens (a
+    BLOCK_M first met mid-run is autotuned there)."""
     pytest.importorskip("triton")
-    from eagle3.extract import fused_moe_tma
+    from eagle3.extract import fused_moe, fused_moe_tma
     from eagle3.models import load_model
 
     modes, real = [], fused_moe_tma.expert_pairs
     monkeypatch.setattr(fused_moe_tma, "expert_pairs", lambda *a: modes.append(a[6]) or real(*a))
+    pairs, block_m_for = [], fused_moe.block_m_for
+    monkeypatch.setattr(fused_moe, "block_m_for", lambda n, *a: pairs.append(n) or block_m_for(n, *a))
     spec, samples = merged
     out = run(targets["qwen3_moe"], tmp_path, spec, experts_implementation="triton_fused", experts_kernel="tma_w")
     m = ShardManifest.load(Path(out["shard_dir"]))
     assert out["complete"] and set(modes) == {"tma_w"} and len(modes) >= len(m.chunks) * 5
+    assert len(pairs) == len(modes) and set(pairs) == {256 * TARGETS["qwen3_moe"][1]["num_experts_per_tok"]}
     assert m.params["kernels"]["experts_kernel"] == "tma_w" and m.params["states"]["experts_kernel"] == "tma_w"
     assert_states_equal_reference(load_model(targets["qwen3_moe"]), Path(out["shard_dir"]), samples, atol=1e-4)
     with pytest.raises(ConfigError, match="experts_kernel='tma_w'"):

@@ -173,10 +173,13 @@ class HFBackend:
 
     def __init__(self, model=None, info: ModelInfo | None = None, compile: bool = False, attention: str = "auto",
                  tp_plan: str | None = None, experts: str = "auto", compile_scope: str = "auto",
-                 compile_mode: str = "auto", fp8_linear: str = "auto", experts_kernel: str = "auto"):
+                 compile_mode: str = "auto", fp8_linear: str = "auto", experts_kernel: str = "auto",
+                 token_budget: int | str = 0):
         self.model = model  # a preloaded *ForCausalLM (the benchmark builds random-weight ones)
         self.experts, self.compile_scope = experts, compile_scope  # eagle3.extract.moe
         self.experts_kernel = experts_kernel  # the fused experts' GEMMs (eagle3.extract.moe.resolve_experts_kernel)
+        # the run's planned batch, which sets the fused experts' BLOCK_M once a run (0 or "auto": each batch's own)
+        self.token_budget = token_budget if isinstance(token_budget, int) else 0
         self.fp8_linear = fp8_linear  # an FP8 checkpoint's linears (eagle3.extract.fp8_linear)
         self.resolved: dict = {}
         self.tp_plan = tp_plan
@@ -194,7 +197,8 @@ class HFBackend:
         self.resolved = moe.resolve(self.model, self.experts, self.compile_scope, self.compile_mode)
         experts = self.resolved["experts_implementation"]
         self.resolved["router"] = moe.apply_experts_implementation(self.model, experts)
-        self.resolved["experts_kernel"] = moe.apply_experts_kernel(self.model, experts, self.experts_kernel)
+        self.resolved["experts_kernel"] = moe.apply_experts_kernel(self.model, experts, self.experts_kernel,
+                                                                   self.token_budget)
         self.resolved["fp8_linear"] = fp8_linear.apply(self.model, self.fp8_linear)
         # flash on MLA (v heads narrower than q/k): v zero-padded (eagle3.extract.attention)
         self.attn_implementation = apply_attention(self.model, self.attention)

@@ -59,7 +59,7 @@ def backend_options(cfg: ExtractConfig) -> dict:
     """The ExtractConfig values a backend of `cfg.backend` is built with (the MoE and FP8 options are the hf
     backend's)."""
     moe = ({"experts": cfg.experts_implementation, "compile_scope": cfg.compile_scope, "fp8_linear": cfg.fp8_linear,
-            "experts_kernel": cfg.experts_kernel} if cfg.backend == "hf" else {})
+            "experts_kernel": cfg.experts_kernel, "token_budget": cfg.token_budget} if cfg.backend == "hf" else {})
     return {"compile": cfg.compile, "attention": cfg.attention, "compile_mode": cfg.compile_mode, **moe}
 
 

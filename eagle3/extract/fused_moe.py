@@ -40,6 +40,9 @@ FP8_BLOCK = 128  # DeepSeek-V3's FP8 checkpoint: 128 x 128 weight blocks
 FP8_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
 KERNELS = ("tiles", "tma", "tma_w")  # the bf16/fp16 GEMMs' structures (the docstring above)
 KERNEL_ATTR = "_eagle3_experts_kernel"  # on an experts module: the one its calls run (default "tiles")
+# on an experts module: the tokens of the run's planned batch (its token_budget), which choose BLOCK_M once a run
+# (block_m_for); 0: each call's own tokens
+PLANNED_TOKENS_ATTR = "_eagle3_planned_tokens"
 
 
 def kernels(device: torch.device, fp8: bool = False):
@@ -74,7 +77,10 @@ def quantize_groups(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def block_m_for(num_pairs: int, num_experts: int, device: torch.device) -> int:
     """Rows a block: on a GPU 128 where experts get many rows each, else 64 (a group pads to it); on the CPU 256
-    (the interpreter's time goes by programs and ops, hardly by their size)."""
+    (the interpreter's time goes by programs and ops, hardly by their size). The extractor passes its planned
+    batch's pairs, not each batch's (PLANNED_TOKENS_ATTR): BLOCK_M is in the autotuners' keys, so a value first met
+    mid-run times every config there (about 19 s on the H100 at DeepSeek-V3's widths, where 256 experts x 1,024
+    pairs sit exactly at a full 32,768-token batch and 2 of 68 batches crossed over, 2026-12-07)."""
     if device.type != "cuda":
         return 256
     return 128 if num_pairs >= 1024 * num_experts else 64
@@ -156,16 +162,16 @@ def quantize_experts(module) -> None:
 def fused_experts(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, gate_up_proj: torch.Tensor,
                   down_proj: torch.Tensor, gate_up_scale: torch.Tensor | None = None,
                   down_scale: torch.Tensor | None = None, expert_parallel: bool = False,
-                  experts_kernel: str = "tiles") -> torch.Tensor:
+                  experts_kernel: str = "tiles", planned_tokens: int = 0) -> torch.Tensor:
     """The routed experts' sum for tokens x [T, H]: `expert_pairs` summed over each token's top k."""
     pairs = expert_pairs(x, top_k_index, top_k_weights, gate_up_proj, down_proj, gate_up_scale, down_scale,
-                         expert_parallel, experts_kernel)
+                         expert_parallel, experts_kernel, planned_tokens)
     return pairs.view(x.shape[0], top_k_index.shape[-1], -1).sum(dim=1)
 
 
 @fused_experts.register_fake
 def _(x, top_k_index, top_k_weights, gate_up_proj, down_proj, gate_up_scale=None, down_scale=None,
-      expert_parallel=False, experts_kernel="tiles"):
+      expert_parallel=False, experts_kernel="tiles", planned_tokens=0):
     return torch.empty_like(x)
 
 
@@ -173,20 +179,21 @@ def _(x, top_k_index, top_k_weights, gate_up_proj, down_proj, gate_up_scale=None
 def expert_pairs(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, gate_up_proj: torch.Tensor,
                  down_proj: torch.Tensor, gate_up_scale: torch.Tensor | None = None,
                  down_scale: torch.Tensor | None = None, expert_parallel: bool = False,
-                 experts_kernel: str = "tiles") -> torch.Tensor:
+                 experts_kernel: str = "tiles", planned_tokens: int = 0) -> torch.Tensor:
     """[T * top_k, H] in pair order (row t * top_k + j): weight[t, j] * down(SiLU(gate) * up)(x[t]) through expert
     top_k_index[t, j] for tokens x [T, H]; gate_up_proj [E, 2I, H], down_proj [E, H, I] (transformers' layout).
     With scales the weights are float8 in 128 x 128 blocks (w = w_q * scale, scale [E, out / 128, in / 128]) and
     the GEMMs run in FP8, their inputs quantized per token and 128 values (`quantize_groups`). `expert_parallel`:
     this rank holds experts 0..E-1 of its share, an id >= E is an expert of another rank (transformers' EP
     sentinel), whose pair's row is zeros here (the ranks' sums are all-reduced after). `experts_kernel`: one of
-    KERNELS, for bf16/fp16 weights (not named `kernel`: Inductor's fallback for custom ops takes that name)."""
+    KERNELS, for bf16/fp16 weights (not named `kernel`: Inductor's fallback for custom ops takes that name).
+    `planned_tokens`: the run's planned batch, which sets BLOCK_M (`block_m_for`; 0: these T tokens)."""
     x = x.contiguous()
     t, hidden = x.shape
     top_k, (num_experts, two_i, _) = top_k_index.shape[-1], gate_up_proj.shape
     width, s = two_i // 2, t * top_k
     fp8 = gate_up_scale is not None
-    block_m = block_m_for(s, num_experts, x.device)
+    block_m = block_m_for((planned_tokens or t) * top_k, num_experts, x.device)
     if experts_kernel != "tiles" and not fp8:
         from eagle3.extract import fused_moe_tma
 
@@ -222,18 +229,20 @@ def expert_pairs(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torc
 
 @expert_pairs.register_fake
 def _(x, top_k_index, top_k_weights, gate_up_proj, down_proj, gate_up_scale=None, down_scale=None,
-      expert_parallel=False, experts_kernel="tiles"):
+      expert_parallel=False, experts_kernel="tiles", planned_tokens=0):
     return x.new_empty(top_k_index.numel(), x.shape[1])
 
 
 def experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                     top_k_weights: torch.Tensor) -> torch.Tensor:
     """transformers' experts interface: the module's own weights (and an FP8 checkpoint's block scales) through
-    `fused_experts`, through the kernel set on the module (KERNEL_ATTR)."""
+    `fused_experts`, through the kernel set on the module (KERNEL_ATTR), BLOCK_M by its planned batch
+    (PLANNED_TOKENS_ATTR)."""
     fp8 = self.gate_up_proj.dtype == torch.float8_e4m3fn
     return fused_experts(hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj,
                          self.gate_up_proj_scale_inv if fp8 else None, self.down_proj_scale_inv if fp8 else None,
-                         getattr(self, "_is_expert_parallel", False), getattr(self, KERNEL_ATTR, "tiles"))
+                         getattr(self, "_is_expert_parallel", False), getattr(self, KERNEL_ATTR, "tiles"),
+                         getattr(self, PLANNED_TOKENS_ATTR, 0))
 
 
 def weights_ok(module) -> bool:

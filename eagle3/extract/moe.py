@@ -122,13 +122,15 @@ def resolve_experts_kernel(modules: list, experts: str | None, kernel: str) -> s
     return AUTO_EXPERTS_KERNEL if kernel == "auto" else kernel
 
 
-def apply_experts_kernel(model, experts: str | None, kernel: str) -> str | None:
+def apply_experts_kernel(model, experts: str | None, kernel: str, planned_tokens: int = 0) -> str | None:
     """Resolve experts_kernel (`resolve_experts_kernel`) and set it on each experts module, where
-    fused_moe.experts_forward reads it; what runs (None: no fused experts)."""
+    fused_moe.experts_forward reads it, with the tokens of the run's planned batch (fused_moe.block_m_for); what
+    runs (None: no fused experts)."""
     modules = experts_modules(model) if experts == fused_moe.NAME else []
     resolved = resolve_experts_kernel(modules, experts, kernel)
     for module in modules:
         setattr(module, fused_moe.KERNEL_ATTR, resolved)
+        setattr(module, fused_moe.PLANNED_TOKENS_ATTR, planned_tokens)
     return resolved
 
 
