@@ -114,6 +114,14 @@ def chunk_bytes(shard_dir: Path) -> dict:
     return {p.name: p.read_bytes() for p in sorted(shard_dir.glob("chunk-*.safetensors"))}
 
 
+def cut_after(shard_dir: Path, m: ShardManifest, k: int) -> None:
+    """Leave shard_dir as a run killed after committing k chunks would: m (edited or not) saved with those only."""
+    for c in m.chunks[k:]:
+        (shard_dir / c.file).unlink()
+    m.chunks, m.complete = m.chunks[:k], False
+    m.save(shard_dir)
+
+
 def assert_states_equal_reference(model, shard_dir, samples, atol):
     got = {s.row: s for s in HiddenStateReader([shard_dir], verify=True)}
     assert sorted(got) == list(range(len(samples)))
@@ -349,10 +357,7 @@ def test_shard_from_before_the_added_state_params_resumes_with_their_old_values(
     for name in ("experts_implementation", "compile_mode", "fp8_linear", "experts_kernel"):
         del m.params["states"][name]
     del m.params["kernels"]["experts_kernel"]
-    for c in m.chunks[2:]:
-        (shard_dir / c.file).unlink()
-    m.chunks, m.complete = m.chunks[:2], False
-    m.save(shard_dir)
+    cut_after(shard_dir, m, 2)
     with pytest.raises(ConfigError, match="committed with compile_mode='default'"):
         run(targets["qwen3_moe"], tmp_path / "cut", spec, compile_mode="max-autotune-no-cudagraphs")
     resumed = run(targets["qwen3_moe"], tmp_path / "cut", spec)
@@ -444,10 +449,7 @@ def test_shard_that_ran_tiles_before_experts_kernel_is_not_resumed_under_tma(tar
     m = ShardManifest.load(shard_dir)
     assert m.params["kernels"]["experts_kernel"] == "tiles"  # auto on the CPU
     del m.params["states"]["experts_kernel"], m.params["kernels"]["experts_kernel"]
-    for c in m.chunks[2:]:
-        (shard_dir / c.file).unlink()
-    m.chunks, m.complete = m.chunks[:2], False
-    m.save(shard_dir)
+    cut_after(shard_dir, m, 2)
     real = moe.resolve_experts_kernel
 
     def as_on_hopper(modules, experts, kernel):
@@ -480,10 +482,7 @@ def test_the_kernel_record_names_the_router_and_a_resume_under_another_is_refuse
     shard_dir = tmp_path / "cut" / Path(whole["shard_dir"]).name
     shutil.copytree(whole["shard_dir"], shard_dir)
     m = ShardManifest.load(shard_dir)
-    for c in m.chunks[2:]:
-        (shard_dir / c.file).unlink()
-    m.chunks, m.complete = m.chunks[:2], False
-    m.save(shard_dir)
+    cut_after(shard_dir, m, 2)
     with monkeypatch.context() as patch:
         patch.setattr(fused_router, "ROUTERS", ())  # a version whose fused experts leave the routers alone
         with pytest.raises(ConfigError, match="2 chunks were extracted with the router running 'softmax_topk', "
@@ -496,6 +495,7 @@ def test_the_kernel_record_names_the_router_and_a_resume_under_another_is_refuse
     assert resumed["resumed_from_chunk"] == 2 and resumed["complete"]
     assert chunk_bytes(shard_dir) == chunk_bytes(Path(whole["shard_dir"]))
     assert ShardManifest.load(shard_dir).params["kernels"]["router"] == fused_router.NAME
+
 
 TASK = textwrap.dedent("""
     import json, sys, time
