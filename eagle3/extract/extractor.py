@@ -209,9 +209,10 @@ class ShardExtractor:
                     f"{name}={ran.get(name)!r}, or delete {self.shard_dir} to extract the shard again")
         if m.chunks and ROUTER in ran and ran[ROUTER] != now.get(ROUTER):  # the same experts, another version
             ran_by, runs = (r or "the model's own" for r in (ran[ROUTER], now.get(ROUTER)))
+            experts = now.get("experts_implementation")
             raise ConfigError(
                 f"{self.shard_dir / MANIFEST_NAME}: {len(m.chunks)} chunks were extracted with the router running "
-                f"{ran_by!r}, this version runs {runs!r} with experts_implementation={now.get(KERNEL_PARAMS[0])!r} "
+                f"{ran_by!r}, this version runs {runs!r} with experts_implementation={experts!r} "
                 f"(their ties between experts route apart, so the stored states would mix): resume with the version "
                 f"that began the shard, or delete {self.shard_dir} to extract it again")
         m.params["kernels"] = now

@@ -138,9 +138,9 @@ def apply_experts_implementation(model, name: str | None) -> str | None:
     """Switch the model's experts kernel (a no-op for dense targets or when it already runs `name`), and its
     softmax top-k routers to the fused router's kernel with the fused experts, back to transformers' code else.
     Returns the router that runs: fused_router.NAME where it took some over, None for the model's own."""
-    router = None
     if name is None:
-        return router
+        return None
+    router = None
     if name == fused_moe.NAME:
         from eagle3.extract import fused_router
 
