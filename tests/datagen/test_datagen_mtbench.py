@@ -1,19 +1,24 @@
 """Two-turn MT-bench questions (`python -m eagle3 prompts mtbench`) through the datagen and the REAL llama.cpp
-server: turn 2 is asked after the model's own turn-1 answer, and both answers are what the masks keep."""
+server: turn 2 is asked after the model's own turn-1 answer, and both answers are what the masks keep.
+
+llama.cpp at temperature 0 is not bit-stable across requests (a prompt served from its cache decodes a little
+differently from one processed afresh), so what was sent is read off a recording proxy, never re-asked."""
 
 from __future__ import annotations
 
 import json
-import urllib.request
 from pathlib import Path
 
 import pytest
 
 from eagle3.datagen import ClientConfig, DatasetSpec, Endpoint, run_dataset
 from eagle3.datagen.tokenize import masked_runs
+from fault_proxy import FaultProxy
 
-# Reasoning questions SmolLM2 answers in a few tokens, so turn 1 ends (a cut turn 1 ends the conversation).
 SHORT_ANSWER_IDS = (104, 105)
+# Turn 1 must end on its own (a cut turn 1 ends the conversation): SmolLM2's answers run long, so the first line
+# break or full stop ends each turn, sent as the OpenAI `stop` field through the spec's extra_body.
+STOP = {"stop": ["\n", "."]}
 
 
 @pytest.mark.slow
@@ -26,10 +31,13 @@ def test_two_turn_mtbench_questions_through_the_real_server(llama_server, smollm
     lines = [x for x in all_q.read_text().splitlines() if json.loads(x)["question_id"] in SHORT_ANSWER_IDS]
     prompt_file = tmp_path / "mt2.jsonl"
     prompt_file.write_text("\n".join(lines) + "\n")
-    spec = DatasetSpec(name="MT", prompt_file=str(prompt_file), max_tokens=24, drop_truncated=False)
+    spec = DatasetSpec(name="MT", prompt_file=str(prompt_file), max_tokens=64, drop_truncated=False, extra_body=STOP)
     cfg = ClientConfig(model="smollm2", concurrency=1, request_timeout_s=120, log_every_s=1.0)
-    rep = run_dataset(spec, cfg, Endpoint(llama_server["url"]), smollm2_path, tmp_path, tokenizer=smollm2_tokenizer)
+    sent = []
+    with FaultProxy(llama_server["port"], lambda i, body: sent.append(json.loads(body)) or "ok") as px:
+        rep = run_dataset(spec, cfg, Endpoint(px.base_url), smollm2_path, tmp_path, tokenizer=smollm2_tokenizer)
     assert rep["missing"] == 0 and rep["rows"] == 2
+    assert len(sent) == 4 and all(b["stop"] == STOP["stop"] and b["max_tokens"] == 64 for b in sent)
     gens = [json.loads(x) for x in (tmp_path / "MT" / "generations.jsonl").read_text().splitlines()]
     questions = {json.loads(x)["question_id"]: json.loads(x) for x in lines}
     tokenized = (tmp_path / "MT" / "tokenized.jsonl").read_text().splitlines()
@@ -40,12 +48,9 @@ def test_two_turn_mtbench_questions_through_the_real_server(llama_server, smollm
         assert [m["role"] for m in msgs] == ["user", "assistant", "user", "assistant"]
         assert [msgs[0]["content"], msgs[2]["content"]] == [t["value"] for t in q["conversations"]]
         assert g["finish_reasons"][0] == "stop" and all(m["content"].strip() for m in msgs[1::2])
-        # turn 2 was asked after the model's own turn-1 answer: the same request, sent directly, gives it
-        body = json.dumps({"model": "smollm2", "messages": msgs[:3], "max_tokens": 24, "temperature": 0}).encode()
-        req = urllib.request.Request(llama_server["url"] + "/chat/completions", body,
-                                     {"Content-Type": "application/json"})
-        with urllib.request.urlopen(req, timeout=120) as r:
-            assert json.load(r)["choices"][0]["message"]["content"] == msgs[3]["content"]
+        # turn 1 was asked alone, turn 2 after the model's own turn-1 answer (as the server returned it)
+        asked = [b["messages"] for b in sent if b["messages"][0]["content"] == msgs[0]["content"]]
+        assert asked == [msgs[:1], msgs[:3]]
         # both answers are the loss-masked runs of the tokenized row (the merge's input)
         row = rows[g["sample_id"]]
         got = [smollm2_tokenizer.decode(x, skip_special_tokens=False, clean_up_tokenization_spaces=False)
