@@ -59,7 +59,7 @@ from bench.extract_limits import (DEFAULT_BUDGET, ChunkReaper, against_sustained
                                   print_summary, sync)
 from bench.extract_levers import measure_moe, measure_variants_side_by_side, parse_variants  # noqa: E402
 from bench.extract_moe import is_moe  # noqa: E402
-from bench.extract_profile import run_profile  # noqa: E402
+from bench.extract_profile import extractor_profile, run_profile  # noqa: E402
 from eagle3.extract.config import ExtractConfig, ShardPlanConfig  # noqa: E402
 from eagle3.extract.extractor import BACKENDS, ShardExtractor, backend_options, resolve_for_device  # noqa: E402
 from eagle3.fit import bytes_per_token  # noqa: E402
@@ -72,7 +72,7 @@ SMOKE = dict(models="tiny,tiny-moe,tiny-mla", device="cpu", dtype="float32", tok
              max_len=400, budget="1024,512,512", writers="2", chunk_mb="1", disk_gb=0.02, naive_seconds=1.0,
              matmul_n=256, fp8="tiny", fp8_weights="tiny,tiny-moe", fp8_blocks="tiny-moe", rounds=1,
              round_probe_gb=0.02, fresh_rounds=True, pad_multiples="1,auto", skew=1.0, variant_models="tiny-moe",
-             profile_batches=3,
+             profile_batches=3, profile_extractor="tiny",
              variants="batched:experts=batched_mm;fused:experts=triton_fused;budget256:budget=256;bad:experts=nope")
 
 
@@ -158,16 +158,18 @@ def run_extractor(b: Bench, t: Target, samples, writers: int, model=None, **para
     return {**out, "wall_s": round(wall, 3), "tok_per_s_wall": out["tokens"] / wall}
 
 
-def warm_and_run(b: Bench, t: Target, writers: int, model=None, **params) -> dict:
+def warm_and_run(b: Bench, t: Target, writers: int, model=None, around=contextlib.nullcontext, **params) -> dict:
     """A warm-up run on a few samples (kernels, allocator, pinned buffers; it pays the compilation, as each task
-    would once), then the measured run on the target's samples."""
+    would once), then the measured run on the target's samples, inside `around()` (a profiler)."""
     torch._dynamo.reset()  # a compiled graph keeps the SDPA kernel it was traced with
     warm = make_samples(min(sum(map(len, t.samples)), 4 * t.budget), b.args.min_len, b.args.max_len,
                         (model or t.model).config.vocab_size, seed=2)
     start = time.perf_counter()
     run_extractor(b, t, warm, writers, model=model, **params)
     warm_s = time.perf_counter() - start
-    return {**run_extractor(b, t, t.samples, writers, model=model, **params), "warmup_with_compile_s": round(warm_s, 1)}
+    with around():
+        run = run_extractor(b, t, t.samples, writers, model=model, **params)
+    return {**run, "warmup_with_compile_s": round(warm_s, 1)}
 
 
 def measure_variants(b: Bench, name: str, t: Target) -> tuple[dict, dict]:
@@ -321,6 +323,9 @@ def measure_model(b: Bench, name: str, n_tok: int, budget: int, chunk_mb: int, r
         cfg = resolve_for_device(cfg)  # pad_multiple as the extractor plans on this device
         roof = r.get("matmul_sustained", {}).get("roofline_tok_per_s", roofline)
         r["forward_profile"] = run_profile(b, name, t, make_backend(cfg, t.model), cfg.pad_multiple, roof)
+    if name in a.profile_extractor.split(","):
+        r["extractor_profile"] = extractor_profile(b, name, lambda around: warm_and_run(
+            b, t, best["writer_threads"], around=around, **best["params"]))
     if a.variants and name in a.variant_models.split(","):
         r["side_by_side"] = measure_variants_side_by_side(b, name, t, best, parse_variants(a.variants), warm_and_run)
     if b.device.type == "cuda":
@@ -390,6 +395,9 @@ def parser() -> argparse.ArgumentParser:
                     "(expert rows scaled by rank^-SKEW) and report its routing load and cost")
     ap.add_argument("--profile-batches", type=int, default=0, help="then the forward alone on N planned batches, "
                     "profiled: its rate, the GPU's busy share, kernel time by kind (bench/extract_profile.py)")
+    ap.add_argument("--profile-extractor", default="", help="models (comma list) whose fastest variant runs once "
+                    "more, warm, with the whole extractor profiled on the GPU: the compute kernels' busy share of "
+                    "its wall time and their time per token against the forward alone's (bench/extract_profile.py)")
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny shapes, every option but compilation")
     ap.add_argument("--out", default=None)
     return ap

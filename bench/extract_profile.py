@@ -101,6 +101,7 @@ def forward_profile(b, t, backend, n_batches: int, pad_multiple) -> dict:
         by_kind[kind_of(name)] += s
     top = sorted(times.items(), key=lambda kv: -kv[1])[:12]
     return {"batches": len(batches), "tokens": real, "padded_tokens": padded, "forward_wall_s": round(wall, 4),
+            "kernel_s_per_mtok": 1e6 * total / real,
             "forward_tok_per_s": real / wall, "padding_share": 1 - real / padded,
             "busy_share": (total / wall_p) if b.device.type == "cuda" else None,
             "kinds": {k: v / total for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])},
@@ -127,3 +128,84 @@ def run_profile(b, name: str, t, backend, pad_multiple, roofline: float) -> dict
         backend.close()
     print_profile(name, p, roofline)
     return p
+
+
+def extractor_profile(b, name: str, measured_run) -> dict:
+    """The whole extractor profiled (host pipeline, writers and copy-out included), beside the forward alone: where
+    the two part. `measured_run(around)` runs the warm extractor with its measured run inside `around()`.
+
+    On a GPU only the device is traced (a CPU trace of the writer threads would slow the run it measures): the share
+    of the run's wall time the compute kernels ran (the rest is the GPU waiting on the host), the copy-out's own
+    time (another stream, beside the compute), and the compute kernel time per 1M tokens, to set against the forward
+    alone's: more there is work the forward alone does not do, or the same kernels run slower beside the copies."""
+    from contextlib import contextmanager
+
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = b.device.type == "cuda"
+    held = {}
+
+    @contextmanager
+    def around():
+        before = torch.cuda.memory_stats(b.device) if cuda else {}
+        with profile(activities=[ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]) as prof:
+            yield
+        held["prof"] = prof
+        after = torch.cuda.memory_stats(b.device) if cuda else {}
+        # device-wide synchronisations of the caching allocator (a retry frees the cache: every stream waits)
+        held["allocator"] = {k: after.get(k, 0) - before.get(k, 0) for k in ALLOCATOR_COUNTERS}
+
+    run = measured_run(around)
+    times = kernel_times(held["prof"], b.device)
+    memcpy = sum(s for n, s in times.items() if re.search(r"memcpy|memset", n, re.I))
+    compute = sum(times.values()) - memcpy
+    by_kind: dict[str, float] = defaultdict(float)
+    for n, s in times.items():
+        by_kind[kind_of(n)] += s
+    top = sorted(times.items(), key=lambda kv: -kv[1])[:12]
+    gaps = compute_gaps(held["prof"]) if cuda else None
+    p = {"tokens": run["tokens"], "wall_s": run["wall_s"], "tok_per_s_wall": run["tok_per_s_wall"],
+         "steady_tok_per_s": run.get("steady_tok_per_s"), "copy_s": round(memcpy, 3),
+         "compute_kernel_s": round(compute, 3), "kernel_s_per_mtok": 1e6 * compute / run["tokens"],
+         "compute_busy_share": compute / run["wall_s"] if cuda else None,
+         "kinds": {k: v / sum(by_kind.values()) for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])},
+         "top": [{"name": n[:160], "s": round(s, 5), "kind": kind_of(n)} for n, s in top], "gaps": gaps,
+         "allocator": held["allocator"]}
+    busy = f", compute kernels busy {100 * p['compute_busy_share']:.0f}% of it" if cuda else ""
+    print(f"[{name}] extractor profiled: {p['tok_per_s_wall']:.0f} tok/s over {p['wall_s']:.1f} s{busy}; copy-out "
+          f"{p['copy_s']:.1f} s beside; compute kernels {p['kernel_s_per_mtok']:.2f} s per 1M tokens", flush=True)
+    if gaps:
+        print(f"[{name}] compute idle between its first and last kernel ({gaps['span_s']:.1f} s): " + ", ".join(
+            f"{k} {v['s']:.2f} s in {v['n']}" for k, v in gaps["idle_by_gap"].items()) + f"; outside it "
+            f"{run['wall_s'] - gaps['span_s']:.2f} s; longest {gaps['longest_gaps_s'][:5]}", flush=True)
+    if cuda:
+        print(f"[{name}] caching allocator during the run: {p['allocator']}", flush=True)
+    for k in p["top"][:6]:
+        print(f"[{name}]   {k['s']:8.3f} s  {k['kind']:<17} {k['name'][:110]}", flush=True)
+    return p
+
+
+ALLOCATOR_COUNTERS = ("num_alloc_retries", "num_sync_all_streams", "num_device_alloc", "num_device_free", "num_ooms")
+
+
+GAP_BUCKETS = ((1e-4, "<0.1ms"), (1e-3, "0.1-1ms"), (1e-2, "1-10ms"), (1e-1, "10-100ms"), (float("inf"), ">100ms"))
+
+
+def compute_gaps(prof) -> dict:
+    """The compute kernels' (copies left out) idle time between the first and the last of them, by gap length:
+    many short gaps are launch or synchronisation gaps, a few long ones the host pipeline holding the GPU."""
+    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                   if e.device_type == torch.autograd.DeviceType.CUDA and not re.search(r"memcpy|memset", e.name, re.I))
+    idle = {label: {"s": 0.0, "n": 0} for _, label in GAP_BUCKETS}
+    longest, end = [], spans[0][1] if spans else 0
+    for start, stop in spans[1:]:
+        if start > end:
+            gap = (start - end) / 1e6
+            label = next(lb for bound, lb in GAP_BUCKETS if gap < bound)
+            idle[label]["s"] += gap
+            idle[label]["n"] += 1
+            longest.append(round(gap, 4))
+        end = max(end, stop)
+    span = (end - spans[0][0]) / 1e6 if spans else 0.0
+    return {"span_s": round(span, 3), "idle_by_gap": {k: {"s": round(v["s"], 6), "n": v["n"]} for k, v in idle.items()},
+            "longest_gaps_s": sorted(longest, reverse=True)[:10]}

@@ -3,6 +3,7 @@
 import json
 
 import pytest
+import torch
 
 from bench import extract_bench, generate_bench, train_bench
 
@@ -21,6 +22,9 @@ def test_extract_bench_smoke_measures_every_option_on_the_cpu(tmp_path):
                                                        "final"]
     assert all(0 < e["rel_l2"] < 0.5 and e["cosine_mean"] > 0.9 for e in fp8["state_error"])
     assert set(tiny["interleaved"]["variants"]) == {"extractor-pad1", "extractor-padauto"}
+    whole = tiny["extractor_profile"]  # the whole extractor profiled, warm: its compute per token, by kind
+    assert whole["tokens"] == tiny["tokens"] and whole["kernel_s_per_mtok"] > 0 and whole["kinds"]["gemm"] > 0
+    assert whole["compute_busy_share"] is None and whole["gaps"] is None  # a GPU's figures only
     assert "moe" not in tiny
     for name in ("tiny-moe", "tiny-mla"):  # the MoE rows: experts' GEMM ceiling, both ratios, a skewed router
         m = models[name]["moe"]
@@ -135,6 +139,30 @@ def test_profile_sorts_gpu_kernel_names_by_kind():
         "cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_7_64x128x128_4x1x1_cga1x1x1_kernel0_0")] == [
         "experts_gemm", "gemm", "gemm", "gemm", "fused_elementwise", "attention", "routing", "routing", "routing",
         "copy", "other", "experts_gemm", "experts_gemm", "fp8_quantize", "attention"]
+
+
+def test_extractor_profile_measures_the_compute_streams_idle_gaps_by_length():
+    """The gaps between compute kernels (copies on their own stream left out, overlapping kernels merged), bucketed
+    by length: the ~33 ms stall a batch of 2026-12-07's DeepSeek-V3 profile is what this finds."""
+    from types import SimpleNamespace
+
+    from bench.extract_profile import compute_gaps
+
+    cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
+
+    def ev(name, start_ms, end_ms, device=cuda):
+        return SimpleNamespace(name=name, device_type=device,
+                               time_range=SimpleNamespace(start=start_ms * 1e3, end=end_ms * 1e3))
+
+    events = [ev("gemm", 0, 10), ev("attention", 5, 12),  # overlapping: one busy span 0-12 ms
+              ev("Memcpy DtoH (Device -> Pinned)", 12, 45),  # the copy-out fills the gap, but is not compute
+              ev("aten::mm", 20, 40, device=cpu),  # a host operator, not a kernel
+              ev("gemm", 45, 50), ev("triton_poi_fused_add_0", 50.05, 60)]
+    g = compute_gaps(SimpleNamespace(events=lambda: events))
+    assert g["span_s"] == pytest.approx(0.060)
+    assert g["idle_by_gap"]["10-100ms"] == {"s": pytest.approx(0.033), "n": 1}
+    assert g["idle_by_gap"]["<0.1ms"] == {"s": pytest.approx(0.00005), "n": 1}
+    assert g["idle_by_gap"][">100ms"]["n"] == 0 and g["longest_gaps_s"][0] == pytest.approx(0.033)
 
 
 def test_kernels_check_smoke_checks_each_kernel_against_its_definition(tmp_path):

@@ -64,6 +64,42 @@ def test_writers_do_not_wait_for_earlier_chunks_to_commit(tiny_done, tiny_model,
     assert chunk_bytes(out) == chunk_bytes(tiny_done[0])
 
 
+def test_each_batch_goes_up_before_the_batch_before_it_is_copied_out(tiny_done, tiny_model, spec, tmp_path,
+                                                                      monkeypatch):
+    """On a GPU the next batch's ids are queued on the compute stream behind this batch's forward and ahead of its
+    copy-out: queued after it, the upload waited for the copy (a stall a batch, measured on an H100). The order of
+    the calls is what sets that; the chunks stay an ordinary run's."""
+    import eagle3.extract.extractor as ex
+    from eagle3.extract.backend import HFBackend
+
+    calls = []
+    real_inputs, real_store, real_capture = ex.batch_inputs, ex.store_states, HFBackend.capture
+
+    def batch_inputs(data, rows, *a):
+        calls.append(("up", int(rows[0])))
+        return real_inputs(data, rows, *a)
+
+    def store_states(dst, scale, x):
+        if calls[-1][0] != "store":
+            calls.append(("store",))
+        return real_store(dst, scale, x)
+
+    def capture(self, ids):
+        calls.append(("forward",))
+        return real_capture(self, ids)
+
+    monkeypatch.setattr(ex, "batch_inputs", batch_inputs)
+    monkeypatch.setattr(ex, "store_states", store_states)
+    monkeypatch.setattr(HFBackend, "capture", capture)
+    summary = tiny_run(tiny_model, spec, tmp_path / "out")
+    kinds = [c[0] for c in calls]
+    n = kinds.count("forward")
+    assert n > 2 and kinds.count("up") == n and kinds.count("store") == n
+    # up 0, then for each batch: its forward, the next batch's upload (none after the last), its copy-out
+    assert kinds == ["up"] + ["forward", "up", "store"] * (n - 1) + ["forward", "store"]
+    assert summary["complete"] and chunk_bytes(tmp_path / "out" / "shard-00000") == chunk_bytes(tiny_done[0])
+
+
 def test_summary_says_when_the_writers_bound_the_run(spec, tiny_model, tmp_path, monkeypatch):
     """A writer that takes 1.5 s a chunk (a slow disk) holds the compute thread back: the summary shows it waiting
     for host buffers and the writer busy most of the wall time; with the real writer (a forward of 0.2 s a chunk)

@@ -92,6 +92,20 @@ def resolve_compile_mode(cfg: ExtractConfig, backend: ExtractionBackend | None =
     return dataclasses.replace(cfg, compile_mode=moe.class_compile_mode(config, "auto"))
 
 
+def batch_inputs(data: ShardData, rows: np.ndarray, pad_multiple, dev, cuda: bool) -> tuple[torch.Tensor, ...]:
+    """One batch's right-padded ids (pad id 0) and the flat index of its real tokens, on `dev` (queued on a GPU)."""
+    lens = data.lengths[rows]
+    L = padded_length(int(lens[0]), pad_multiple)
+    ids = np.zeros((len(rows), L), dtype=np.int64)
+    for j, i in enumerate(rows):
+        ids[j, :lens[j]] = data.sample(int(i))[0]
+    ids_t, real_t = torch.from_numpy(ids), torch.from_numpy(real_token_index(lens, L))
+    if cuda:
+        ids_t = ids_t.pin_memory().to(dev, non_blocking=True)
+        real_t = real_t.pin_memory().to(dev, non_blocking=True)
+    return ids_t, real_t
+
+
 def kernels_ran(m: ShardManifest) -> dict | None:
     """The manifest's record of what the kernel params ran (None: chunks from before the record). A record from
     before experts_kernel: the fused experts ran the tiles kernels, the only ones then."""
@@ -357,25 +371,23 @@ class ShardExtractor:
         self.pipeline = self.pipeline_class(self.shard_dir, m, chunk_meta, data, self.pool, self.cfg.writer_threads,
                                             self.cfg.log_every_s, self.spec.tokens)
         progress, step = self.pipeline.progress, 0
+        # each batch's ids go up one batch ahead, behind the forward before it and ahead of that batch's copy-out.
+        # Queued after the copy-out, the compute stream idled ~33 ms a batch, the copy-out's own length (an H100 at
+        # DeepSeek-V3's width, bench/extract_profile.py): the upload likely waited for the copy (not yet re-measured)
+        ahead = (batch_inputs(data, b, self.cfg.pad_multiple, dev, cuda) for batches in todo for b in batches)
+        nxt = next(ahead)
         with self.pipeline as pipe:
             for ci, batches in enumerate(todo, start=len(m.chunks)):
                 buf, pos = pipe.take_buffer(), 0
-                for b in batches:
-                    lens = data.lengths[b]
-                    L = padded_length(int(lens[0]), self.cfg.pad_multiple)
-                    ids = np.zeros((len(b), L), dtype=np.int64)  # right-padded with id 0
-                    for j, i in enumerate(b):
-                        ids[j, :lens[j]] = data.sample(int(i))[0]
-                    ids_t, real_t = torch.from_numpy(ids), torch.from_numpy(real_token_index(lens, L))
+                for _ in batches:
+                    ids_t, real_t = nxt
                     n = len(real_t)
-                    if cuda:
-                        ids_t = ids_t.pin_memory().to(dev, non_blocking=True)
-                        real_t = real_t.pin_memory().to(dev, non_blocking=True)
                     st = staging[step % 2]
                     step += 1
                     progress.first_forward = progress.first_forward or time.perf_counter()
                     try:
                         aux, final = backend.capture(ids_t)
+                        nxt = next(ahead, None)
                         if cuda:
                             torch.cuda.current_stream(dev).wait_event(st.event)  # its last copy-out is done
                         # gather the real tokens (drop the pads) into the staging buffer
