@@ -67,8 +67,8 @@ def test_writers_do_not_wait_for_earlier_chunks_to_commit(tiny_done, tiny_model,
 def test_each_batch_goes_up_before_the_batch_before_it_is_copied_out(tiny_done, tiny_model, spec, tmp_path,
                                                                       monkeypatch):
     """On a GPU the next batch's ids are queued on the compute stream behind this batch's forward and ahead of its
-    copy-out: queued after it, the upload waited for the copy (a stall a batch, measured on an H100). The order of
-    the calls is what sets that; the chunks stay an ordinary run's."""
+    copy-out: queued after it, the compute stream idled a batch on an H100 (the upload likely waited for the copy).
+    The order of the calls is what sets that; the chunks stay an ordinary run's."""
     import eagle3.extract.extractor as ex
     from eagle3.extract.backend import HFBackend
 
