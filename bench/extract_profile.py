@@ -36,6 +36,10 @@ KINDS = [
     ("copy", re.compile(r"memcpy|memset|copy|\bcat\b|contiguous|fill", re.I)),
 ]
 
+# the caching allocator's device-wide synchronisations (a retry frees the cache: every stream waits)
+ALLOCATOR_COUNTERS = ("num_alloc_retries", "num_sync_all_streams", "num_device_alloc", "num_device_free", "num_ooms")
+GAP_BUCKETS = ((1e-4, "<0.1ms"), (1e-3, "0.1-1ms"), (1e-2, "1-10ms"), (1e-1, "10-100ms"), (float("inf"), ">100ms"))
+
 
 def kind_of(kernel: str) -> str:
     return next((k for k, rx in KINDS if rx.search(kernel)), "other")
@@ -152,7 +156,6 @@ def extractor_profile(b, name: str, measured_run) -> dict:
             yield
         held["prof"] = prof
         after = torch.cuda.memory_stats(b.device) if cuda else {}
-        # device-wide synchronisations of the caching allocator (a retry frees the cache: every stream waits)
         held["allocator"] = {k: after.get(k, 0) - before.get(k, 0) for k in ALLOCATOR_COUNTERS}
 
     run = measured_run(around)
@@ -184,11 +187,6 @@ def extractor_profile(b, name: str, measured_run) -> dict:
         print(f"[{name}]   {k['s']:8.3f} s  {k['kind']:<17} {k['name'][:110]}", flush=True)
     return p
 
-
-ALLOCATOR_COUNTERS = ("num_alloc_retries", "num_sync_all_streams", "num_device_alloc", "num_device_free", "num_ooms")
-
-
-GAP_BUCKETS = ((1e-4, "<0.1ms"), (1e-3, "0.1-1ms"), (1e-2, "1-10ms"), (1e-1, "10-100ms"), (float("inf"), ">100ms"))
 
 
 def compute_gaps(prof) -> dict:
