@@ -101,9 +101,10 @@ def test_retries_on_429_500_dropped_connection_and_stall(llama_server, smollm2_p
     faults = ["429", "500", "drop", "stall"]
     f = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "Say hi."}, {"prompt": "Say bye."}, {"prompt": "Count to 3."}])
     spec = DatasetSpec(name="F", prompt_file=str(f), max_tokens=8, drop_truncated=False)
-    with FaultProxy(llama_server["port"], lambda i, body: faults[i] if i < len(faults) else "ok", stall_s=20) as px:
-        # the timeout must be far above a real answer's latency on a loaded 2-core machine (8 tokens: ~0.5 s)
-        rep = run_dataset(spec, _client(concurrency=1, request_timeout_s=6, max_retries=5, http_client=http_client),
+    with FaultProxy(llama_server["port"], lambda i, body: faults[i] if i < len(faults) else "ok", stall_s=60) as px:
+        # the timeout must be far above a real answer's latency on a loaded 2-core machine (8 tokens: ~0.5 s alone,
+        # over 6 s seen beside the other test worker's torch)
+        rep = run_dataset(spec, _client(concurrency=1, request_timeout_s=20, max_retries=5, http_client=http_client),
                           Endpoint(px.base_url),
                           smollm2_path, tmp_path, tokenizer=smollm2_tokenizer)
         actions = list(px.actions)
