@@ -36,6 +36,7 @@ KINDS = [
     ("copy", re.compile(r"memcpy|memset|copy|\bcat\b|contiguous|fill", re.I)),
 ]
 
+COPY_KERNEL = re.compile(r"memcpy|memset", re.I)  # the copy engines' work, not the compute stream's
 # the caching allocator's device-wide synchronisations (a retry frees the cache: every stream waits)
 ALLOCATOR_COUNTERS = ("num_alloc_retries", "num_sync_all_streams", "num_device_alloc", "num_device_free", "num_ooms")
 GAP_BUCKETS = ((1e-4, "<0.1ms"), (1e-3, "0.1-1ms"), (1e-2, "1-10ms"), (1e-1, "10-100ms"), (float("inf"), ">100ms"))
@@ -43,6 +44,15 @@ GAP_BUCKETS = ((1e-4, "<0.1ms"), (1e-3, "0.1-1ms"), (1e-2, "1-10ms"), (1e-1, "10
 
 def kind_of(kernel: str) -> str:
     return next((k for k, rx in KINDS if rx.search(kernel)), "other")
+
+
+def kind_shares(times: dict[str, float]) -> dict[str, float]:
+    """Each kind's share of the kernel time in `times` (kernel_times), largest first."""
+    by_kind: dict[str, float] = defaultdict(float)
+    for name, s in times.items():
+        by_kind[kind_of(name)] += s
+    total = sum(by_kind.values())
+    return {k: v / total for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])}
 
 
 def pick_batches(t, pad_multiple, n: int) -> list[np.ndarray]:
@@ -100,15 +110,12 @@ def forward_profile(b, t, backend, n_batches: int, pad_multiple) -> dict:
         wall_p = forward_all()
     times = kernel_times(prof, b.device)
     total = sum(times.values())
-    by_kind: dict[str, float] = defaultdict(float)
-    for name, s in times.items():
-        by_kind[kind_of(name)] += s
     top = sorted(times.items(), key=lambda kv: -kv[1])[:12]
     return {"batches": len(batches), "tokens": real, "padded_tokens": padded, "forward_wall_s": round(wall, 4),
             "kernel_s_per_mtok": 1e6 * total / real,
             "forward_tok_per_s": real / wall, "padding_share": 1 - real / padded,
             "busy_share": (total / wall_p) if b.device.type == "cuda" else None,
-            "kinds": {k: v / total for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])},
+            "kinds": kind_shares(times),
             "top": [{"name": n[:160], "s": round(s, 5), "share": s / total, "kind": kind_of(n)} for n, s in top]}
 
 
@@ -160,18 +167,15 @@ def extractor_profile(b, name: str, measured_run) -> dict:
 
     run = measured_run(around)
     times = kernel_times(held["prof"], b.device)
-    memcpy = sum(s for n, s in times.items() if re.search(r"memcpy|memset", n, re.I))
+    memcpy = sum(s for n, s in times.items() if COPY_KERNEL.search(n))
     compute = sum(times.values()) - memcpy
-    by_kind: dict[str, float] = defaultdict(float)
-    for n, s in times.items():
-        by_kind[kind_of(n)] += s
     top = sorted(times.items(), key=lambda kv: -kv[1])[:12]
     gaps = compute_gaps(held["prof"]) if cuda else None
     p = {"tokens": run["tokens"], "wall_s": run["wall_s"], "tok_per_s_wall": run["tok_per_s_wall"],
          "steady_tok_per_s": run.get("steady_tok_per_s"), "copy_s": round(memcpy, 3),
          "compute_kernel_s": round(compute, 3), "kernel_s_per_mtok": 1e6 * compute / run["tokens"],
          "compute_busy_share": compute / run["wall_s"] if cuda else None,
-         "kinds": {k: v / sum(by_kind.values()) for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])},
+         "kinds": kind_shares(times),
          "top": [{"name": n[:160], "s": round(s, 5), "kind": kind_of(n)} for n, s in top], "gaps": gaps,
          "allocator": held["allocator"]}
     busy = f", compute kernels busy {100 * p['compute_busy_share']:.0f}% of it" if cuda else ""
@@ -188,12 +192,11 @@ def extractor_profile(b, name: str, measured_run) -> dict:
     return p
 
 
-
 def compute_gaps(prof) -> dict:
     """The compute kernels' (copies left out) idle time between the first and the last of them, by gap length:
     many short gaps are launch or synchronisation gaps, a few long ones the host pipeline holding the GPU."""
     spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
-                   if e.device_type == torch.autograd.DeviceType.CUDA and not re.search(r"memcpy|memset", e.name, re.I))
+                   if e.device_type == torch.autograd.DeviceType.CUDA and not COPY_KERNEL.search(e.name))
     idle = {label: {"s": 0.0, "n": 0} for _, label in GAP_BUCKETS}
     longest, end = [], spans[0][1] if spans else 0
     for start, stop in spans[1:]:
