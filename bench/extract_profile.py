@@ -39,6 +39,7 @@ KINDS = [
 COPY_KERNEL = re.compile(r"memcpy|memset", re.I)  # the copy engines' work, not the compute stream's
 # the caching allocator's device-wide synchronisations (a retry frees the cache: every stream waits)
 ALLOCATOR_COUNTERS = ("num_alloc_retries", "num_sync_all_streams", "num_device_alloc", "num_device_free", "num_ooms")
+HOST_WAIT_S = 1e-3  # a CUDA runtime call this long blocked its thread (a launch takes microseconds)
 GAP_BUCKETS = ((1e-4, "<0.1ms"), (1e-3, "0.1-1ms"), (1e-2, "1-10ms"), (1e-1, "10-100ms"), (float("inf"), ">100ms"))
 
 
@@ -171,13 +172,14 @@ def extractor_profile(b, name: str, measured_run) -> dict:
     compute = sum(times.values()) - memcpy
     top = sorted(times.items(), key=lambda kv: -kv[1])[:12]
     gaps = compute_gaps(held["prof"]) if cuda else None
+    waits = host_waits(held["prof"]) if cuda else None
     p = {"tokens": run["tokens"], "wall_s": run["wall_s"], "tok_per_s_wall": run["tok_per_s_wall"],
          "steady_tok_per_s": run.get("steady_tok_per_s"), "copy_s": round(memcpy, 3),
          "compute_kernel_s": round(compute, 3), "kernel_s_per_mtok": 1e6 * compute / run["tokens"],
          "compute_busy_share": compute / run["wall_s"] if cuda else None,
          "kinds": kind_shares(times),
          "top": [{"name": n[:160], "s": round(s, 5), "kind": kind_of(n)} for n, s in top], "gaps": gaps,
-         "allocator": held["allocator"]}
+         "allocator": held["allocator"], "host_waits": waits}
     busy = f", compute kernels busy {100 * p['compute_busy_share']:.0f}% of it" if cuda else ""
     print(f"[{name}] extractor profiled: {p['tok_per_s_wall']:.0f} tok/s over {p['wall_s']:.1f} s{busy}; copy-out "
           f"{p['copy_s']:.1f} s beside; compute kernels {p['kernel_s_per_mtok']:.2f} s per 1M tokens", flush=True)
@@ -187,6 +189,8 @@ def extractor_profile(b, name: str, measured_run) -> dict:
             f"{run['wall_s'] - gaps['span_s']:.2f} s; longest {gaps['longest_gaps_s'][:5]}", flush=True)
     if cuda:
         print(f"[{name}] caching allocator during the run: {p['allocator']}", flush=True)
+        print(f"[{name}] CUDA calls over {HOST_WAIT_S * 1e3:.0f} ms, compute thread: {waits['compute_thread']}; "
+              f"other threads: {waits['other_threads']}", flush=True)
     for k in p["top"][:6]:
         print(f"[{name}]   {k['s']:8.3f} s  {k['kind']:<17} {k['name'][:110]}", flush=True)
     return p
@@ -210,3 +214,25 @@ def compute_gaps(prof) -> dict:
     span = (end - spans[0][0]) / 1e6 if spans else 0.0
     return {"span_s": round(span, 3), "idle_by_gap": {k: {"s": round(v["s"], 6), "n": v["n"]} for k, v in idle.items()},
             "longest_gaps_s": sorted(longest, reverse=True)[:10]}
+
+
+
+def host_waits(prof) -> dict:
+    """CUDA runtime calls (`cuda...`, `cu...`, recorded with the device trace) that held their host thread over
+    HOST_WAIT_S, by name: on the compute thread (the one that launched the most kernels), where a synchronising call
+    is the next forward not queued while it waits, and on the others (the writers wait on copy-out events by design).
+    """
+    calls = [e for e in prof.events()
+             if e.device_type != torch.autograd.DeviceType.CUDA and e.name.startswith("cu")]
+    launches: dict = defaultdict(int)
+    for e in calls:
+        launches[e.thread] += "LaunchKernel" in e.name
+    compute = max(launches, key=launches.get, default=None)
+    out: dict[str, dict] = {"compute_thread": {}, "other_threads": {}}
+    for e in calls:
+        s = (e.time_range.end - e.time_range.start) / 1e6
+        if s >= HOST_WAIT_S:
+            row = out["compute_thread" if e.thread == compute else "other_threads"].setdefault(e.name, {"n": 0, "s": 0})
+            row["n"] += 1
+            row["s"] = round(row["s"] + s, 4)
+    return out

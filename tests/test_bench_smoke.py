@@ -165,6 +165,31 @@ def test_extractor_profile_measures_the_compute_streams_idle_gaps_by_length():
     assert g["idle_by_gap"][">100ms"]["n"] == 0 and g["longest_gaps_s"][0] == pytest.approx(0.033)
 
 
+def test_host_waits_finds_the_blocking_cuda_calls_of_the_compute_thread():
+    """bench/extract_profile.py's host_waits: runtime calls over 1 ms, by name, on the thread that launched the most
+    kernels and on the others; kernels and short calls are left out."""
+    from types import SimpleNamespace
+
+    from bench.extract_profile import host_waits
+
+    cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
+
+    def ev(name, thread, start_ms, end_ms, device=cpu):
+        return SimpleNamespace(name=name, device_type=device, thread=thread,
+                               time_range=SimpleNamespace(start=start_ms * 1e3, end=end_ms * 1e3))
+
+    events = [ev("cudaLaunchKernel", 7, 0, 0.01), ev("cudaLaunchKernel", 7, 1, 1.01),
+              ev("cudaStreamSynchronize", 7, 2, 35), ev("cudaStreamSynchronize", 7, 40, 40.5),  # 0.5 ms: short
+              ev("cudaHostAlloc", 7, 50, 52),
+              ev("cudaLaunchKernel", 9, 0, 0.01), ev("cudaEventSynchronize", 9, 3, 300),  # a writer's wait
+              ev("cudaStreamSynchronize", 9, 5, 9, device=cuda),  # a device record, not a host call
+              ev("aten::pin_memory", 7, 50, 60)]  # an operator, not a runtime call
+    w = host_waits(SimpleNamespace(events=lambda: events))
+    assert w["compute_thread"] == {"cudaStreamSynchronize": {"n": 1, "s": pytest.approx(0.033)},
+                                   "cudaHostAlloc": {"n": 1, "s": pytest.approx(0.002)}}
+    assert w["other_threads"] == {"cudaEventSynchronize": {"n": 1, "s": pytest.approx(0.297)}}
+
+
 def test_kernels_check_smoke_checks_each_kernel_against_its_definition(tmp_path):
     """bench/kernels_check.py's CPU mode: the same checks the GPU figures come from, in Triton's interpreter."""
     pytest.importorskip("triton")
