@@ -190,6 +190,24 @@ def test_host_waits_finds_the_blocking_cuda_calls_of_the_compute_thread():
     assert w["other_threads"] == {"cudaEventSynchronize": {"n": 1, "s": pytest.approx(0.297)}}
 
 
+def test_mla_check_smoke_builds_the_same_queries_and_keys_in_both_layouts(tmp_path):
+    """bench/mla_check.py: MLA's q/k joined token-major are the values transformers' heads-major order makes, and
+    the attention over them gives the same output; each layout timed."""
+    from bench import mla_check
+
+    out = tmp_path / "mla.json"
+    assert mla_check.main(["--smoke", "--out", str(out)]) == 0
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["q_equal"] and row["k_equal"] and row["out_rel_l2"] < 1e-6
+    assert all(row[k]["assembly_ms"] > 0 and row[k]["attention_ms"] > 0 for k in mla_check.LAYOUTS)
+    # the rope is applied: the rotary part differs from the projection's own values
+    x = mla_check.mla_inputs(8, {"heads": 2, "nope": 4, "rope": 4, "v": 4}, "cpu", torch.float32)
+    q, _, _ = mla_check.assemble_token_major(x)
+    q0 = x["q"].view(8, 2, 8)[0]  # position 0, a zero angle: the rotary pairs only de-interleaved (as transformers)
+    assert torch.equal(q[0, :, 0], torch.cat([q0[:, :4], q0[:, 4::2], q0[:, 5::2]], dim=-1))
+    assert not torch.allclose(q[0, :, 3, 4:], x["q"].view(8, 2, 8)[3, :, 4:])
+
+
 def test_kernels_check_smoke_checks_each_kernel_against_its_definition(tmp_path):
     """bench/kernels_check.py's CPU mode: the same checks the GPU figures come from, in Triton's interpreter."""
     pytest.importorskip("triton")

@@ -1,0 +1,175 @@
+"""MLA's query/key assembly in two memory layouts, each with the attention that reads it (a lever of issue 28).
+
+Multi-head latent attention (DeepSeek-V3: 128 heads, q/k 192 wide = nope 128 + rope 64, v 128) splits each head's
+projected q into a pass-through and a rotary part, ropes the rotary part, and joins them again; each head's k is
+its own nope part joined with one shared, roped rotary part. transformers builds q and k heads-major ([B, heads,
+L, 192], the view the attention reads) from the projections' token-major rows. Compiled, each join is one of
+Inductor's pointwise kernels; on the H100 at DeepSeek-V3's width the two ran at about 1 TB/s, a third of the
+memory's rate, and took 8% of the forward's kernel time (2026-12-07, bench/results/moe-dsv3-4layers-extractor-
+profile-h100-2026-12-07-J.json). Built token-major ([B, L, heads, 192], the projections' own order) and handed
+to the attention as the transposed view, the same values move in the order they are read.
+
+Both layouts run here side by side, compiled as the extractor compiles (torch.compile, default mode), on the same
+inputs: the assembly alone (its memory rate against a plain copy of the same bytes) and assembly + causal SDPA
+(what the forward pays, the attention kernel's own choice of layout included). Their outputs are compared, so a
+layout that changes a value is seen. `--smoke`: CPU, eager, a few heads (the code path, not a figure).
+
+  python3 bench/mla_check.py --tokens 8192,32768 --out $OUT/mla.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+import torch.nn.functional as F
+
+DSV3 = {"heads": 128, "nope": 128, "rope": 64, "v": 128}
+
+
+def rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """DeepSeek's rotary embedding over interleaved pairs (x0, x1), (x2, x3), ... (transformers'
+    apply_rotary_pos_emb_interleave); `cos`/`sin` broadcast to x, as cat(freqs, freqs)."""
+    half = cos.shape[-1] // 2
+    c, s = cos[..., :half], sin[..., :half]
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
+
+
+def mla_inputs(tokens: int, dims: dict, device, dtype, seed: int = 0) -> dict:
+    """What the attention's projections hand over for one [1, tokens] batch: q's rows, kv_b's rows (nope | v per
+    head), the shared rotary key, and the position's cos/sin."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    H, nope, rope, v = dims["heads"], dims["nope"], dims["rope"], dims["v"]
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=g).to(device=device, dtype=dtype)
+
+    pos = torch.arange(tokens, dtype=torch.float32)[:, None]
+    freqs = pos / (10000 ** (torch.arange(0, rope, 2, dtype=torch.float32) / rope))
+    ang = torch.cat([freqs, freqs], dim=-1)[None]
+    return {"q": rand(1, tokens, H * (nope + rope)), "kv": rand(1, tokens, H * (nope + v)),
+            "k_rot": rand(1, tokens, rope), "cos": ang.cos().to(device, dtype), "sin": ang.sin().to(device, dtype),
+            "dims": dims}
+
+
+def assemble_heads_major(x: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """transformers' order: transpose to [B, heads, L, d] first, then split, rope and join there."""
+    H, nope, rope, v = (x["dims"][k] for k in ("heads", "nope", "rope", "v"))
+    B, L, _ = x["q"].shape
+    q = x["q"].view(B, L, H, nope + rope).transpose(1, 2)
+    q_pass, q_rot = torch.split(q, [nope, rope], dim=-1)
+    kv = x["kv"].view(B, L, H, nope + v).transpose(1, 2)
+    k_nope, value = torch.split(kv, [nope, v], dim=-1)
+    cos, sin = x["cos"].unsqueeze(1), x["sin"].unsqueeze(1)
+    q_rot = rope_interleaved(q_rot, cos, sin)
+    k_rot = rope_interleaved(x["k_rot"].view(B, 1, L, rope), cos, sin).expand(B, H, L, rope)
+    return torch.cat((q_pass, q_rot), dim=-1), torch.cat((k_nope, k_rot), dim=-1), value
+
+
+def assemble_token_major(x: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The same values joined in [B, L, heads, d], the projections' order; returned as the [B, heads, L, d] views."""
+    H, nope, rope, v = (x["dims"][k] for k in ("heads", "nope", "rope", "v"))
+    B, L, _ = x["q"].shape
+    q_pass, q_rot = torch.split(x["q"].view(B, L, H, nope + rope), [nope, rope], dim=-1)
+    k_nope, value = torch.split(x["kv"].view(B, L, H, nope + v), [nope, v], dim=-1)
+    cos, sin = x["cos"].unsqueeze(2), x["sin"].unsqueeze(2)
+    q_rot = rope_interleaved(q_rot, cos, sin)
+    k_rot = rope_interleaved(x["k_rot"].view(B, L, 1, rope), cos, sin).expand(B, L, H, rope)
+    q, k = torch.cat((q_pass, q_rot), dim=-1), torch.cat((k_nope, k_rot), dim=-1)
+    return q.transpose(1, 2), k.transpose(1, 2), value.transpose(1, 2)
+
+
+LAYOUTS = {"heads_major": assemble_heads_major, "token_major": assemble_token_major}
+
+
+def attention(assemble):
+    def run(x: dict) -> torch.Tensor:
+        q, k, v = assemble(x)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=q.shape[-1] ** -0.5)
+        return out.transpose(1, 2).reshape(q.shape[0], q.shape[2], -1)  # as transformers' sdpa forward hands o_proj
+    return run
+
+
+def timed(fn, x: dict, reps: int, device) -> float:
+    """Median ms of `reps` calls (after two warm-up calls: compilation)."""
+    for _ in range(2):
+        fn(x)
+    times = []
+    for _ in range(reps):
+        if device.type == "cuda":
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn(x)
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b))
+        else:
+            t = time.perf_counter()
+            fn(x)
+            times.append(1e3 * (time.perf_counter() - t))
+    return sorted(times)[len(times) // 2]
+
+
+def assembly_bytes(x: dict) -> int:
+    """The bytes the two joins must move at least: q read and written, k's nope part read and k written."""
+    H, nope, rope = (x["dims"][k] for k in ("heads", "nope", "rope"))
+    T, e = x["q"].shape[1], x["q"].element_size()
+    return T * H * e * (2 * (nope + rope) + nope + (nope + rope))
+
+
+def check(tokens: int, dims: dict, device, dtype, reps: int, compiled: bool) -> dict:
+    x = mla_inputs(tokens, dims, device, dtype)
+    wrap = (lambda f: torch.compile(f, dynamic=False)) if compiled else (lambda f: f)
+    row: dict = {"tokens": tokens, "compiled": compiled}
+    outs = {}
+    for name, assemble in LAYOUTS.items():
+        join = wrap(lambda x, a=assemble: a(x)[:2])  # both joins' outputs, as made (no copy after)
+        full = wrap(attention(assemble))
+        ms_join, ms_full = timed(join, x, reps, device), timed(full, x, reps, device)
+        q, k = (t.contiguous() for t in assemble(x)[:2])
+        outs[name] = (q, k, full(x))
+        row[name] = {"assembly_ms": round(ms_join, 4), "attention_ms": round(ms_full, 4),
+                     "assembly_tb_s": round(assembly_bytes(x) / ms_join / 1e9, 3)}
+    copy_src = torch.empty(assembly_bytes(x) // 2, dtype=torch.uint8, device=device)
+    row["copy_tb_s"] = round(assembly_bytes(x) / timed(lambda _: copy_src.clone(), x, reps, device) / 1e9, 3)
+    (qa, ka, oa), (qb, kb, ob) = outs["heads_major"], outs["token_major"]
+    row["q_equal"], row["k_equal"] = bool(torch.equal(qa, qb)), bool(torch.equal(ka, kb))
+    row["out_rel_l2"] = float((oa.float() - ob.float()).norm() / oa.float().norm())
+    hm, tm = row["heads_major"], row["token_major"]
+    row["assembly_speedup"] = round(hm["assembly_ms"] / tm["assembly_ms"], 3)
+    row["attention_speedup"] = round(hm["attention_ms"] / tm["attention_ms"], 3)
+    return row
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tokens", default="8192,32768", help="tokens of one batch, comma-separated")
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--smoke", action="store_true", help="CPU, eager, 4 heads, 64 tokens")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    cuda = torch.cuda.is_available() and not args.smoke
+    device, dtype = torch.device("cuda" if cuda else "cpu"), torch.bfloat16 if cuda else torch.float32
+    dims = DSV3 if not args.smoke else {"heads": 4, "nope": 16, "rope": 8, "v": 16}
+    tokens = [64] if args.smoke else [int(t) for t in args.tokens.split(",")]
+    rows = []
+    for t in tokens:
+        row = check(t, dims, device, dtype, 3 if args.smoke else args.reps, compiled=cuda)
+        rows.append(row)
+        print(f"[mla {t} tokens] assembly: heads-major {row['heads_major']['assembly_ms']:.3f} ms "
+              f"({row['heads_major']['assembly_tb_s']:.2f} TB/s), token-major {row['token_major']['assembly_ms']:.3f}"
+              f" ms ({row['token_major']['assembly_tb_s']:.2f} TB/s), a copy {row['copy_tb_s']:.2f} TB/s; with the "
+              f"attention {row['attention_speedup']:.3f}x; q/k equal {row['q_equal']}/{row['k_equal']}, out rel L2 "
+              f"{row['out_rel_l2']:.2e}", flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name() if cuda else "cpu", "dims": dims, "rows": rows}, f,
+                      indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
