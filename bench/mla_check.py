@@ -144,13 +144,17 @@ def check(tokens: int, dims: dict, device, dtype, reps: int, compiled: bool) -> 
     return row
 
 
-def main(argv=None) -> int:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokens", default="8192,32768", help="tokens of one batch, comma-separated")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--smoke", action="store_true", help="CPU, eager, 4 heads, 64 tokens")
     ap.add_argument("--out", default=None)
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv=None) -> int:
+    args = parser().parse_args(argv)
     cuda = torch.cuda.is_available() and not args.smoke
     device, dtype = torch.device("cuda" if cuda else "cpu"), torch.bfloat16 if cuda else torch.float32
     dims = DSV3 if not args.smoke else {"heads": 4, "nope": 16, "rope": 8, "v": 16}
