@@ -216,7 +216,6 @@ def compute_gaps(prof) -> dict:
             "longest_gaps_s": sorted(longest, reverse=True)[:10]}
 
 
-
 def host_waits(prof) -> dict:
     """CUDA runtime calls (`cuda...`, `cu...`, recorded with the device trace) that held their host thread over
     HOST_WAIT_S, by name: on the compute thread (the one that launched the most kernels), where a synchronising call
