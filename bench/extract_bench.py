@@ -13,7 +13,8 @@ bench/extract_fp8.py FP8 on load):
   - MoE models: the experts' GEMMs alone at the routed shapes (the ceiling) and both ratios, a skewed router
     (`--skew`): bench/extract_levers.py, bench/extract_moe.py;
   - the forward alone on planned batches, profiled (`--profile-batches`), and the whole extractor, profiled on the
-    GPU (`--profile-extractor`: the compute's busy share and idle gaps): bench/extract_profile.py;
+    GPU (`--profile-extractor`: the compute's busy share, its idle gaps and the CUDA calls that held the host):
+    bench/extract_profile.py;
   - a shard larger than the disk, or the extractor without the disk: `--discard-chunks` (with --work-dir on tmpfs).
 Reports tokens/s, the fraction of min(roofline, disk limit) and the ratio to naive.
 
