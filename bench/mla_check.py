@@ -21,10 +21,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
+import sys
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.extract_moe import median_time  # noqa: E402
 
 DSV3 = {"heads": 128, "nope": 128, "rope": 64, "v": 128}
 
@@ -93,26 +98,6 @@ def attention(assemble):
     return run
 
 
-def timed(fn, x: dict, reps: int, device) -> float:
-    """Median ms of `reps` calls (after two warm-up calls: compilation)."""
-    for _ in range(2):
-        fn(x)
-    times = []
-    for _ in range(reps):
-        if device.type == "cuda":
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn(x)
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b))
-        else:
-            t = time.perf_counter()
-            fn(x)
-            times.append(1e3 * (time.perf_counter() - t))
-    return sorted(times)[len(times) // 2]
-
-
 def assembly_bytes(x: dict) -> int:
     """The bytes the two joins must move at least: q read and written, k's nope part read and k written."""
     H, nope, rope = (x["dims"][k] for k in ("heads", "nope", "rope"))
@@ -128,13 +113,13 @@ def check(tokens: int, dims: dict, device, dtype, reps: int, compiled: bool) -> 
     for name, assemble in LAYOUTS.items():
         join = wrap(lambda x, a=assemble: a(x)[:2])  # both joins' outputs, as made (no copy after)
         full = wrap(attention(assemble))
-        ms_join, ms_full = timed(join, x, reps, device), timed(full, x, reps, device)
+        ms_join, ms_full = (1e3 * median_time(lambda f=f: f(x), device, reps) for f in (join, full))
         q, k = (t.contiguous() for t in join(x))  # as compiled: Inductor may round the rope otherwise than eager
         outs[name] = (q, k, full(x))
         row[name] = {"assembly_ms": round(ms_join, 4), "attention_ms": round(ms_full, 4),
                      "assembly_tb_s": round(assembly_bytes(x) / ms_join / 1e9, 3)}
     copy_src = torch.empty(assembly_bytes(x) // 2, dtype=torch.uint8, device=device)
-    row["copy_tb_s"] = round(assembly_bytes(x) / timed(lambda _: copy_src.clone(), x, reps, device) / 1e9, 3)
+    row["copy_tb_s"] = round(assembly_bytes(x) / (1e3 * median_time(copy_src.clone, device, reps)) / 1e9, 3)
     (qa, ka, oa), (qb, kb, ob) = outs["heads_major"], outs["token_major"]
     row["q_equal"], row["k_equal"] = bool(torch.equal(qa, qb)), bool(torch.equal(ka, kb))
     row["out_rel_l2"] = float((oa.float() - ob.float()).norm() / oa.float().norm())
