@@ -6,8 +6,10 @@ grouped attention gives the same greedy tokens.
     python bench/generate_bench.py --smoke        # CPU, a tiny shape
 
 A row: B contexts of L tokens (half of them left-padded by L/3, as a batch of conversations sorted by length
-is), greedy, `new_tokens` tokens each (no eos stop); a decoding step = (time for new_tokens + 1 - time for 1) /
-new_tokens. Random weights: the speed of a step does not depend on them (docs/benchmarks.md, "Quality").
+is), greedy, `new_tokens` + 1 tokens each (no eos stop), in one generate call whose streamer stamps each token as it
+reaches the host: prefill = the first token's time, a decoding step = the median time between two later tokens (a
+median of `new_tokens` steps: one slow step, on a busy CPU, does not move it). Random weights: the speed of a step
+does not depend on them (docs/benchmarks.md, "Quality").
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -37,15 +40,36 @@ def batch(rows: int, length: int, vocab: int, device: str) -> tuple[torch.Tensor
     return ids.to(device), mask.to(device)
 
 
-def timed_generate(model, ids, mask, new_tokens: int, cache: str) -> tuple[float, torch.Tensor]:
+class TokenClock:
+    """A generate streamer that stamps the time each `put` reaches it: the prompt's, then one a step. generate
+    copies the tokens to the host before `put`, so on a GPU a stamp comes after that step's kernels."""
+
+    def __init__(self):
+        self.stamps: list[float] = []
+
+    def put(self, value) -> None:
+        self.stamps.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+
+def timed_generate(model, ids, mask, new_tokens: int, cache: str) -> tuple[TokenClock, torch.Tensor]:
+    """Greedy generation of exactly `new_tokens` tokens a row; the clock holds 1 + new_tokens stamps."""
     sync = torch.cuda.synchronize if ids.is_cuda else (lambda: None)
     size_static_cache_for_this_call(model, GEN_CACHES[cache])  # a row's cache for its own context, not a longer one
     sync()
-    t = time.perf_counter()
+    clock = TokenClock()
     out = model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                         do_sample=False, pad_token_id=0, eos_token_id=2, **GEN_CACHES[cache])
-    sync()
-    return time.perf_counter() - t, out[:, ids.shape[1]:]
+                         do_sample=False, pad_token_id=0, eos_token_id=2, streamer=clock, **GEN_CACHES[cache])
+    assert len(clock.stamps) == 1 + new_tokens, f"{len(clock.stamps)} streamer stamps for {new_tokens} tokens"
+    return clock, out[:, ids.shape[1]:]
+
+
+def prefill_and_step_s(clock: TokenClock) -> tuple[float, float]:
+    """The first token's time (the prefill) and the median time between two later tokens (a decoding step)."""
+    s = clock.stamps
+    return s[1] - s[0], statistics.median(b - a for a, b in zip(s[1:], s[2:]))
 
 
 def step_error(model, ids, mask) -> dict:
@@ -110,8 +134,7 @@ def main(argv: list[str] | None = None) -> None:
                 set_attention(model, attention)
                 for cache in caches:
                     try:
-                        first = timed_generate(model, ids, mask, 1, cache)[0]
-                        step = (timed_generate(model, ids, mask, a.new_tokens + 1, cache)[0] - first) / a.new_tokens
+                        first, step = prefill_and_step_s(timed_generate(model, ids, mask, a.new_tokens + 1, cache)[0])
                         row = {"rows": rows, "context": a.context, "attention": attention, "cache": cache,
                                "prefill_s": first, "step_ms": step * 1e3, "tok_per_s": rows / step}
                         print(f"{attention:7s} {cache:12s} B={rows} L={a.context}: prefill {first:.2f} s, "

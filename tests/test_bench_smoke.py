@@ -274,8 +274,17 @@ def test_generate_bench_smoke_times_each_attention_and_checks_its_step_against_f
     for attention in ("sdpa", "grouped"):
         step = res["step_error_vs_fp32"][attention]
         assert step["max_error"] < 1e-5 and step["top1_agreement"] == 1.0
-    assert {(r["attention"], r["cache"]) for r in res["rows"] if r["step_ms"] > 0} == {
+    assert {(r["attention"], r["cache"]) for r in res["rows"] if r["step_ms"] > 0 and r["prefill_s"] > 0} == {
         (a, c) for a in ("sdpa", "grouped") for c in ("dynamic", "static-eager")}
+
+
+def test_generate_bench_takes_the_median_step_so_one_slow_step_does_not_move_it():
+    """A decoding step is the median gap between the streamer's later stamps (the first gap is the prefill): a step
+    the CPU stalled on does not move it, where a difference of two whole generate calls' times went negative."""
+    clock = generate_bench.TokenClock()
+    clock.stamps = [10.0, 10.5, 10.51, 10.52, 11.52, 11.53]  # prompt, first token, four steps, one of them 1 s
+    prefill, step = generate_bench.prefill_and_step_s(clock)
+    assert prefill == pytest.approx(0.5) and step == pytest.approx(0.01)
 
 
 @pytest.mark.slow
