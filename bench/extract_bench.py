@@ -74,7 +74,7 @@ SMOKE = dict(models="tiny,tiny-moe,tiny-mla", device="cpu", dtype="float32", tok
              max_len=400, budget="1024,512,512", writers="2", chunk_mb="1", disk_gb=0.02, naive_seconds=1.0,
              matmul_n=256, fp8="tiny", fp8_weights="tiny,tiny-moe", fp8_blocks="tiny-moe", rounds=1,
              round_probe_gb=0.02, fresh_rounds=True, pad_multiples="1,auto", skew=1.0, variant_models="tiny-moe",
-             profile_batches=3, profile_extractor="tiny",
+             profile_batches=3, profile_extractor="tiny", warm_tokens=256,
              variants="batched:experts=batched_mm;fused:experts=triton_fused;budget256:budget=256;bad:experts=nope")
 
 
@@ -164,8 +164,8 @@ def warm_and_run(b: Bench, t: Target, writers: int, model=None, around=contextli
     """A warm-up run on a few samples (kernels, allocator, pinned buffers; it pays the compilation, as each task
     would once), then the measured run on the target's samples, inside `around()` (a profiler)."""
     torch._dynamo.reset()  # a compiled graph keeps the SDPA kernel it was traced with
-    warm = make_samples(min(sum(map(len, t.samples)), 4 * t.budget), b.args.min_len, b.args.max_len,
-                        (model or t.model).config.vocab_size, seed=2)
+    warm = make_samples(min(sum(map(len, t.samples)), b.args.warm_tokens or 4 * t.budget), b.args.min_len,
+                        b.args.max_len, (model or t.model).config.vocab_size, seed=2)
     start = time.perf_counter()
     run_extractor(b, t, warm, writers, model=model, **params)
     warm_s = time.perf_counter() - start
@@ -349,6 +349,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default=None, help="compute dtype (default bfloat16 on GPU, float32 on CPU)")
     ap.add_argument("--budget", default=None, help="token_budget per model (comma list)")
+    ap.add_argument("--warm-tokens", type=int, default=0, help="tokens of each run's warm-up, which pays the "
+                    "compilation (0: four token budgets; at most the measured run's tokens)")
     ap.add_argument("--writers", default="3", help="writer threads; a comma list measures each, the best is reported")
     ap.add_argument("--chunk-mb", default="1024", help="chunk size in MB: one for all models or a comma list")
     ap.add_argument("--no-eager", action="store_true", help="skip the eager variants (measure --compile/--fused only)")
