@@ -6,7 +6,8 @@ variant; one lever a variant, so each row reads against the base:
 
     --variants "grouped:experts=grouped_mm;batched:experts=batched_mm;eager-experts:experts=eager;
                 blocks:scope=moe-blocks;budget64k:budget=65536;pad64:pad=64;eager:compile=false;
-                autotune:mode=max-autotune-no-cudagraphs;flash:attention=flash;tiles:kernel=tiles;tma_w:kernel=tma_w"
+                autotune:mode=max-autotune-no-cudagraphs;flash:attention=flash;tiles:kernel=tiles;tma_w:kernel=tma_w;
+                tokmajor:mla=token-major"
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ KEYS = {"budget": "token_budget", "token_budget": "token_budget", "pad": "pad_mu
         "experts_implementation": "experts_implementation", "scope": "compile_scope",
         "compile_scope": "compile_scope", "compile": "compile", "attention": "attention", "backend": "backend",
         "mode": "compile_mode", "compile_mode": "compile_mode", "kernel": "experts_kernel",
-        "experts_kernel": "experts_kernel"}
+        "experts_kernel": "experts_kernel", "mla": "mla_joins", "mla_joins": "mla_joins"}
 
 
 def _value(text: str):

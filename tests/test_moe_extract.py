@@ -174,8 +174,8 @@ def test_resume_refuses_auto_running_other_kernels(targets, merged, tmp_path, mo
         run(targets["qwen3_moe"], tmp_path / "cut", spec)
     shard = tmp_path / "cut" / "shard-00000"
     assert ShardManifest.load(shard).params["kernels"] == {"experts_implementation": "grouped_mm", "router": None,
-                                                           "fp8_linear": None,
-                                                           "experts_kernel": None}  # the CPU's fallback
+                                                           "fp8_linear": None, "experts_kernel": None,
+                                                           "mla_joins": None}  # the CPU's fallback; no MLA
     monkeypatch.setattr(moe, "FALLBACK_EXPERTS", "batched_mm")  # as another version's default would
     with pytest.raises(ConfigError, match="2 chunks were extracted with experts_implementation running "
                                           "'grouped_mm'.*re-run with experts_implementation='grouped_mm'"):
@@ -346,17 +346,17 @@ def test_max_autotune_compiled_moe_states_equal_output_hidden_states(targets, me
 
 
 def test_shard_from_before_the_added_state_params_resumes_with_their_old_values(targets, merged, tmp_path):
-    """A shard cut mid-way whose manifest records none of experts_implementation, compile_mode, fp8_linear and
-    experts_kernel (written before they existed) resumes with auto, default, auto and auto, byte-identical; another
-    value is refused, naming the param."""
+    """A shard cut mid-way whose manifest records none of experts_implementation, compile_mode, fp8_linear,
+    experts_kernel and mla_joins (written before they existed) resumes with auto, default, auto, auto and auto,
+    byte-identical; another value is refused, naming the param."""
     spec, _ = merged
     whole = run(targets["qwen3_moe"], tmp_path / "whole", spec)
     cut = run(targets["qwen3_moe"], tmp_path / "cut", spec)
     shard_dir = Path(cut["shard_dir"])
     m = ShardManifest.load(shard_dir)
-    for name in ("experts_implementation", "compile_mode", "fp8_linear", "experts_kernel"):
+    for name in ("experts_implementation", "compile_mode", "fp8_linear", "experts_kernel", "mla_joins"):
         del m.params["states"][name]
-    del m.params["kernels"]["experts_kernel"]
+    del m.params["kernels"]["experts_kernel"], m.params["kernels"]["mla_joins"]
     cut_after(shard_dir, m, 2)
     with pytest.raises(ConfigError, match="committed with compile_mode='default'"):
         run(targets["qwen3_moe"], tmp_path / "cut", spec, compile_mode="max-autotune-no-cudagraphs")

@@ -17,7 +17,7 @@ from typing import Protocol
 import torch
 
 from eagle3.errors import ConfigError
-from eagle3.extract import fp8_linear, moe
+from eagle3.extract import fp8_linear, mla, moe
 from eagle3.extract.attention import apply_attention
 from eagle3.models import ModelInfo, model_info
 
@@ -174,13 +174,14 @@ class HFBackend:
     def __init__(self, model=None, info: ModelInfo | None = None, compile: bool = False, attention: str = "auto",
                  tp_plan: str | None = None, experts: str = "auto", compile_scope: str = "auto",
                  compile_mode: str = "auto", fp8_linear: str = "auto", experts_kernel: str = "auto",
-                 token_budget: int | str = 0):
+                 token_budget: int | str = 0, mla_joins: str = "auto"):
         self.model = model  # a preloaded *ForCausalLM (the benchmark builds random-weight ones)
         self.experts, self.compile_scope = experts, compile_scope  # eagle3.extract.moe
         self.experts_kernel = experts_kernel  # the fused experts' GEMMs (eagle3.extract.moe.resolve_experts_kernel)
         # the run's planned batch, which sets the fused experts' BLOCK_M once a run (0 or "auto": each batch's own)
         self.token_budget = token_budget if isinstance(token_budget, int) else 0
         self.fp8_linear = fp8_linear  # an FP8 checkpoint's linears (eagle3.extract.fp8_linear)
+        self.mla_joins = mla_joins  # MLA attention's q/k layout (eagle3.extract.mla)
         self.resolved: dict = {}
         self.tp_plan = tp_plan
         self.info = info
@@ -202,6 +203,7 @@ class HFBackend:
         self.resolved["fp8_linear"] = fp8_linear.apply(self.model, self.fp8_linear)
         # flash on MLA (v heads narrower than q/k): v zero-padded (eagle3.extract.attention)
         self.attn_implementation = apply_attention(self.model, self.attention)
+        self.resolved["mla_joins"] = mla.apply(self.model, self.mla_joins)  # after the attention function is set
         layers = self.base.layers
         for h in self._hooks:
             h.remove()

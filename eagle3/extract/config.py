@@ -31,14 +31,15 @@ COMPILE_SCOPES = ("auto", "layers", "moe-blocks")
 COMPILE_MODES = ("auto", "default", "max-autotune-no-cudagraphs")  # eagle3.extract.backend's (a test holds them equal)
 FP8_LINEAR_CHOICES = ("auto", "transformers", "triton", "scaled_mm")  # = eagle3.extract.fp8_linear.CHOICES (tested)
 EXPERTS_KERNEL_CHOICES = ("auto", "tiles", "tma", "tma_w")  # = eagle3.extract.moe.EXPERTS_KERNELS (tested)
+MLA_JOINS_CHOICES = ("auto", "heads-major", "token-major")  # = eagle3.extract.mla.CHOICES (tested)
 STATE_PARAMS = ("model_path", "capture_layers", "dtype", "storage_dtype", "backend", "attention",
-                "experts_implementation", "compile_mode", "fp8_linear", "experts_kernel")
+                "experts_implementation", "compile_mode", "fp8_linear", "experts_kernel", "mla_joins")
 # state params added after shards were extracted without them: what those shards ran with (an FP8 checkpoint's
 # linears ran transformers' hub kernels before fp8_linear; a shard of one that resumes offline needs "auto" anyway;
 # the fused experts ran the tiles kernels under "auto" before experts_kernel: the extractor reads that from the
 # manifest's kernel record, eagle3.extract.extractor.kernels_ran)
 ADDED_STATE_PARAMS = {"experts_implementation": "auto", "compile_mode": "default", "fp8_linear": "auto",
-                      "experts_kernel": "auto"}
+                      "experts_kernel": "auto", "mla_joins": "auto"}
 PLAN_PARAMS = ("token_budget", "chunk_mb", "pad_multiple")
 # a number or "auto", resolved where the task runs (eagle3.extract.extractor.resolve_for_device)
 DEVICE_AUTO_PARAMS = PLAN_PARAMS
@@ -124,6 +125,12 @@ class ExtractConfig:
                                     "interpreter); auto = tma_w on Hopper (1.11-1.13x tiles on the whole experts "
                                     "step, H100, 2026-12-06), tiles elsewhere. FP8 experts, and widths TMA cannot "
                                     "tile, run tiles.")
+    # a state param: Inductor may fuse the rope into the join otherwise in the other layout (a rounding apart)
+    mla_joins: str = knob("auto", choices=MLA_JOINS_CHOICES,
+                          help="MLA targets (DeepSeek-V3, Kimi-K2): the layout their attention joins queries and "
+                               "keys in. heads-major: transformers' forward; token-major: the projections' order, "
+                               "handed to the attention as transposed views (eagle3.extract.mla; sdpa and eager "
+                               "attention only); auto = heads-major.")
     compile_cache_dir: str = knob("auto", help="torch's compile caches, shared by the shard tasks of a worker: auto "
                                                "= $EAGLE3_COMPILE_CACHE or ~/.cache/eagle3/compile/<host>; off = "
                                                "torch's default; else a folder (eagle3.extract.compile_cache).")

@@ -49,7 +49,7 @@ log = logging.getLogger(__name__)
 
 STORAGE_DTYPES = {**DTYPES, FP8: torch.float8_e4m3fn}
 # state params whose "auto" is resolved at load (backend)
-KERNEL_PARAMS = ("experts_implementation", "fp8_linear", "experts_kernel")
+KERNEL_PARAMS = ("experts_implementation", "fp8_linear", "experts_kernel", "mla_joins")
 # what else the kernel record names: no param, experts_implementation brings it (records before 2026-12-07 lack it)
 ROUTER = "router"
 BACKENDS = {"hf": HFBackend, "fused-llama": FusedLlamaBackend}
@@ -59,7 +59,8 @@ def backend_options(cfg: ExtractConfig) -> dict:
     """The ExtractConfig values a backend of `cfg.backend` is built with (the MoE and FP8 options are the hf
     backend's)."""
     moe = ({"experts": cfg.experts_implementation, "compile_scope": cfg.compile_scope, "fp8_linear": cfg.fp8_linear,
-            "experts_kernel": cfg.experts_kernel, "token_budget": cfg.token_budget} if cfg.backend == "hf" else {})
+            "experts_kernel": cfg.experts_kernel, "token_budget": cfg.token_budget, "mla_joins": cfg.mla_joins}
+           if cfg.backend == "hf" else {})
     return {"compile": cfg.compile, "attention": cfg.attention, "compile_mode": cfg.compile_mode, **moe}
 
 
@@ -214,6 +215,8 @@ class ShardExtractor:
         ran = kernels_ran(m)
         if m.chunks and ran is None:
             return  # chunks from before the record: what ran is not known, so nothing is recorded for them
+        if ran is not None and "mla_joins" not in ran:  # a record from before mla_joins: transformers' forward ran
+            ran = {**ran, "mla_joins": "heads-major" if now.get("mla_joins") else None}
         for name in KERNEL_PARAMS if m.chunks else ():
             if ran.get(name) != now.get(name):
                 raise ConfigError(
