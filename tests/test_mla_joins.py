@@ -77,38 +77,43 @@ def test_mla_joins_choices_targets_and_attention_functions(targets):
     assert mla.apply(ds, "heads-major") == "heads-major"
 
 
-@pytest.mark.parametrize("compile", [False, pytest.param(True, marks=pytest.mark.slow)])
-def test_token_major_shard_equals_heads_major_and_resumes_byte_identical(compile, targets, merged, tmp_path,
-                                                                         monkeypatch):
-    """Through the extractor, batched with padding: token-major stores transformers' states (eager: the heads-major
-    shard's bits), the manifest records it, a cut shard resumes byte-identical, and resuming it with the other
-    layout is refused, naming mla_joins."""
+def test_token_major_shard_equals_heads_major_and_resumes_byte_identical(targets, merged, tmp_path):
+    """Through the extractor, batched with padding: token-major stores the heads-major shard's bits, the manifest
+    records it, a cut shard resumes byte-identical, and resuming it with the other layout is refused, naming
+    mla_joins."""
+    spec, samples = merged
+    ds = targets["deepseek_v3"]
+    heads = run(ds, tmp_path / "heads", spec)
+    whole = run(ds, tmp_path / "whole", spec, mla_joins="token-major")
+    shard_dir = Path(whole["shard_dir"])
+    m = ShardManifest.load(shard_dir)
+    assert m.params["kernels"]["mla_joins"] == "token-major" and m.params["states"]["mla_joins"] == "token-major"
+    assert ShardManifest.load(Path(heads["shard_dir"])).params["kernels"]["mla_joins"] == "heads-major"
+    got, want = states(shard_dir), states(Path(heads["shard_dir"]))
+    assert sorted(got) == list(range(len(samples))) and all(
+        torch.equal(got[r][i], want[r][i]) for r in got for i in (0, 1))
+    cut = run(ds, tmp_path / "cut", spec, mla_joins="token-major")
+    cut_dir = Path(cut["shard_dir"])
+    cut_after(cut_dir, ShardManifest.load(cut_dir), 2)
+    with pytest.raises(ConfigError, match="mla_joins='token-major', this run has mla_joins='auto'"):
+        run(ds, tmp_path / "cut", spec)
+    resumed = run(ds, tmp_path / "cut", spec, mla_joins="token-major")
+    assert resumed["resumed_from_chunk"] == 2 and resumed["complete"]
+    assert chunk_bytes(cut_dir) == chunk_bytes(shard_dir)
+
+
+@pytest.mark.slow
+def test_compiled_token_major_states_equal_output_hidden_states(targets, merged, tmp_path, monkeypatch):
+    """Compiled as the GPU runs it (each decoder layer, Inductor fusing the rope and the joins): the states equal a
+    plain one-sample forward's (compiled heads-major: tests/test_moe_extract.py)."""
     from eagle3.models import load_model
 
     monkeypatch.setenv("EAGLE3_COMPILE_CACHE", str(tmp_path / "cache"))
     torch._dynamo.reset()
     spec, samples = merged
-    ds = targets["deepseek_v3"]
-    heads = run(ds, tmp_path / "heads", spec, compile=compile)
-    whole = run(ds, tmp_path / "whole", spec, compile=compile, mla_joins="token-major")
-    shard_dir = Path(whole["shard_dir"])
-    m = ShardManifest.load(shard_dir)
-    assert m.params["kernels"]["mla_joins"] == "token-major" and m.params["states"]["mla_joins"] == "token-major"
-    assert ShardManifest.load(Path(heads["shard_dir"])).params["kernels"]["mla_joins"] == "heads-major"
-    if compile:
-        assert_states_equal_reference(load_model(ds), shard_dir, samples, atol=5e-4)
-    else:
-        got, want = states(shard_dir), states(Path(heads["shard_dir"]))
-        assert sorted(got) == list(range(len(samples))) and all(
-            torch.equal(got[r][i], want[r][i]) for r in got for i in (0, 1))
-    cut = run(ds, tmp_path / "cut", spec, compile=compile, mla_joins="token-major")
-    cut_dir = Path(cut["shard_dir"])
-    cut_after(cut_dir, ShardManifest.load(cut_dir), 2)
-    with pytest.raises(ConfigError, match="mla_joins='token-major', this run has mla_joins='auto'"):
-        run(ds, tmp_path / "cut", spec, compile=compile)
-    resumed = run(ds, tmp_path / "cut", spec, compile=compile, mla_joins="token-major")
-    assert resumed["resumed_from_chunk"] == 2 and resumed["complete"]
-    assert chunk_bytes(cut_dir) == chunk_bytes(shard_dir)
+    out = run(targets["deepseek_v3"], tmp_path, spec, compile=True, mla_joins="token-major")
+    assert ShardManifest.load(Path(out["shard_dir"])).params["kernels"]["mla_joins"] == "token-major"
+    assert_states_equal_reference(load_model(targets["deepseek_v3"]), Path(out["shard_dir"]), samples, atol=5e-4)
 
 
 def test_mla_shard_from_before_mla_joins_resumes_as_heads_major(targets, merged, tmp_path):
