@@ -30,6 +30,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.extract_moe import median_time  # noqa: E402
+from eagle3.extract.mla import join_token_major  # noqa: E402
 
 DSV3 = {"heads": 128, "nope": 128, "rope": 64, "v": 128}
 
@@ -41,6 +42,12 @@ def rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> t
     c, s = cos[..., :half], sin[..., :half]
     x1, x2 = x[..., 0::2], x[..., 1::2]
     return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
+
+
+def rope_pair(q, k, cos, sin, unsqueeze_dim: int):
+    """rope_interleaved on q and k, with transformers' rope signature (what eagle3.extract.mla hands its rope)."""
+    cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
+    return rope_interleaved(q, cos, sin), rope_interleaved(k, cos, sin)
 
 
 def mla_inputs(tokens: int, dims: dict, device, dtype, seed: int = 0) -> dict:
@@ -68,23 +75,15 @@ def assemble_heads_major(x: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
     q_pass, q_rot = torch.split(q, [nope, rope], dim=-1)
     kv = x["kv"].view(B, L, H, nope + v).transpose(1, 2)
     k_nope, value = torch.split(kv, [nope, v], dim=-1)
-    cos, sin = x["cos"].unsqueeze(1), x["sin"].unsqueeze(1)
-    q_rot = rope_interleaved(q_rot, cos, sin)
-    k_rot = rope_interleaved(x["k_rot"].view(B, 1, L, rope), cos, sin).expand(B, H, L, rope)
-    return torch.cat((q_pass, q_rot), dim=-1), torch.cat((k_nope, k_rot), dim=-1), value
+    q_rot, k_rot = rope_pair(q_rot, x["k_rot"].view(B, 1, L, rope), x["cos"], x["sin"], unsqueeze_dim=1)
+    return torch.cat((q_pass, q_rot), dim=-1), torch.cat((k_nope, k_rot.expand(B, H, L, rope)), dim=-1), value
 
 
 def assemble_token_major(x: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The same values joined in [B, L, heads, d], the projections' order; returned as the [B, heads, L, d] views."""
-    H, nope, rope, v = (x["dims"][k] for k in ("heads", "nope", "rope", "v"))
-    B, L, _ = x["q"].shape
-    q_pass, q_rot = torch.split(x["q"].view(B, L, H, nope + rope), [nope, rope], dim=-1)
-    k_nope, value = torch.split(x["kv"].view(B, L, H, nope + v), [nope, v], dim=-1)
-    cos, sin = x["cos"].unsqueeze(2), x["sin"].unsqueeze(2)
-    q_rot = rope_interleaved(q_rot, cos, sin)
-    k_rot = rope_interleaved(x["k_rot"].view(B, L, 1, rope), cos, sin).expand(B, L, H, rope)
-    q, k = torch.cat((q_pass, q_rot), dim=-1), torch.cat((k_nope, k_rot), dim=-1)
-    return q.transpose(1, 2), k.transpose(1, 2), value.transpose(1, 2)
+    """The same values joined in [B, L, heads, d], the projections' order, by the extractor's own code
+    (eagle3.extract.mla, mla_joins="token-major"); returned as the [B, heads, L, d] views."""
+    nope, rope, v = (x["dims"][k] for k in ("nope", "rope", "v"))
+    return join_token_major(x["q"], x["kv"], x["k_rot"], x["cos"], x["sin"], nope, rope, v, rope_pair)
 
 
 LAYOUTS = {"heads_major": assemble_heads_major, "token_major": assemble_token_major}

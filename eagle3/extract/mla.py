@@ -41,27 +41,35 @@ def token_major_forward(self, hidden_states: torch.Tensor, position_embeddings, 
 
     modeling = sys.modules[type(self).__module__]  # the model's own rope and eager attention, in its version
     B, L = hidden_states.shape[:-1]
-    nope, rope, v = self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim
+    rope = self.qk_rope_head_dim
     if self.q_lora_rank is None:
         q = self.q_proj(hidden_states)
     else:
         q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden_states)))
-    q_pass, q_rot = torch.split(q.view(B, L, -1, nope + rope), [nope, rope], dim=-1)
     kv_latent, k_rot = torch.split(self.kv_a_proj_with_mqa(hidden_states), [self.kv_lora_rank, rope], dim=-1)
-    kv = self.kv_b_proj(self.kv_a_layernorm(kv_latent)).view(B, L, -1, nope + v)
-    k_nope, value = torch.split(kv, [nope, v], dim=-1)
-    cos, sin = position_embeddings
     rotate = (modeling.apply_rotary_pos_emb_interleave if self.config.rope_interleave
               else modeling.apply_rotary_pos_emb)
-    q_rot, k_rot = rotate(q_rot, k_rot.view(B, L, 1, rope), cos, sin, unsqueeze_dim=2)
-    query = torch.cat((q_pass, q_rot), dim=-1)
-    key = torch.cat((k_nope, k_rot.expand(B, L, k_nope.shape[2], rope)), dim=-1)
+    query, key, value = join_token_major(q, self.kv_b_proj(self.kv_a_layernorm(kv_latent)), k_rot,
+                                         *position_embeddings, self.qk_nope_head_dim, rope, self.v_head_dim, rotate)
     impl = self.config._attn_implementation
     attend = modeling.eager_attention_forward if impl == "eager" else ALL_ATTENTION_FUNCTIONS[impl]
-    out, weights = attend(self, query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), attention_mask,
+    out, weights = attend(self, query, key, value, attention_mask,
                           dropout=0.0 if not self.training else self.attention_dropout, scaling=self.scaling,
                           **kwargs)
     return self.o_proj(out.reshape(B, L, -1).contiguous()), weights
+
+
+def join_token_major(q, kv, k_rot, cos, sin, nope: int, rope: int, v: int, rotate):
+    """q's rows [B, L, heads * (nope + rope)], kv_b's rows [B, L, heads * (nope + v)] and the shared rotary key
+    [B, L, rope] -> query, key and value as [B, heads, L, d] views of [B, L, heads, d] tensors, q and k joined
+    there. `rotate` has the signature of transformers' rope functions: (q, k, cos, sin, unsqueeze_dim=)."""
+    B, L = q.shape[:2]
+    q_pass, q_rot = torch.split(q.view(B, L, -1, nope + rope), [nope, rope], dim=-1)
+    k_nope, value = torch.split(kv.view(B, L, -1, nope + v), [nope, v], dim=-1)
+    q_rot, k_rot = rotate(q_rot, k_rot.view(B, L, 1, rope), cos, sin, unsqueeze_dim=2)
+    query = torch.cat((q_pass, q_rot), dim=-1)
+    key = torch.cat((k_nope, k_rot.expand(B, L, k_nope.shape[2], rope)), dim=-1)
+    return query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
 
 
 def mla_modules(model) -> list:
