@@ -298,3 +298,38 @@ def test_pinned_attention_kernel_runs_and_gives_the_same_states(dataset, spec, s
     for row, (aux, final) in enumerate(reference):
         torch.testing.assert_close(got[row].aux_hidden, aux, rtol=1e-4, atol=2e-4)
         torch.testing.assert_close(got[row].final_hidden, final, rtol=1e-4, atol=2e-4)
+
+
+def test_capture_leaves_out_transformers_packed_sequence_readback(smollm2_path, monkeypatch):
+    """With no attention mask, transformers' mask preparation reads the position ids back to the host each forward
+    to look for packed sequences (a synchronisation a batch). For the extractor's rows (one sample each, positions
+    0..L-1) it finds none, so capture leaves it out: the check is not called, the states are a plain forward's, and
+    transformers' function is back in place after."""
+    from transformers import AutoModelForCausalLM, masking_utils
+
+    from eagle3.extract.backend import HFBackend
+
+    real = masking_utils.find_packed_sequence_indices
+    assert real(torch.arange(24).expand(2, 24)) is None  # what capture assumes of its rows
+    assert real(torch.tensor([[0, 1, 2, 0, 1, 2]])) is not None  # (the check does find packed rows)
+    calls = []
+
+    def spy(position_ids):
+        calls.append(tuple(position_ids.shape))
+        return real(position_ids)
+
+    monkeypatch.setattr(masking_utils, "find_packed_sequence_indices", spy)
+    model = AutoModelForCausalLM.from_pretrained(str(smollm2_path), dtype=torch.float32)
+    ids = torch.randint(3, 1000, (2, 24))
+    with torch.inference_mode():
+        ref = model(input_ids=ids, output_hidden_states=True, use_cache=False).hidden_states
+    assert calls  # a plain forward runs the check
+    calls.clear()
+    backend = HFBackend(model=model)
+    backend.load(str(smollm2_path), "float32", "cpu", [2, 15])
+    aux, final = backend.capture(ids)
+    assert calls == [] and masking_utils.find_packed_sequence_indices is spy
+    torch.testing.assert_close(aux[0], ref[2])
+    torch.testing.assert_close(aux[1], ref[15])
+    torch.testing.assert_close(final, ref[-1])
+    backend.close()

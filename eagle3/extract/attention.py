@@ -11,6 +11,8 @@ flash then beats the memory-efficient kernel is what the device runs measure (is
 
 from __future__ import annotations
 
+import contextlib
+
 import torch.nn.functional as F
 
 from eagle3.flops import attention_dims
@@ -56,3 +58,27 @@ def apply_attention(model, attention: str) -> str:
     elif current == PADDED_V_SDPA:
         model.set_attn_implementation("sdpa")
     return model.config._attn_implementation
+
+
+@contextlib.contextmanager
+def rows_not_packed():
+    """A forward of the extractor's batches without transformers' packed-sequence check.
+
+    With no attention mask, transformers' mask preparation looks for several sequences packed in one row: it
+    reads the position ids back to the host each forward (masking_utils.find_packed_sequence_indices, `.all()`
+    under an `if`, in the eager model forward outside the compiled layers). The extractor's rows hold one sample
+    each at positions 0..L-1, for which the check returns None; here it returns None without the readback. That
+    one-byte readback queued on the copy engine behind the previous batch's copy-out (1.9 GB at DeepSeek-V3's
+    width): the compute stream idled ~33 ms a batch until it came back (bench/extract_profile.py).
+    """
+    from transformers import masking_utils
+
+    check = getattr(masking_utils, "find_packed_sequence_indices", None)
+    if check is None:  # a transformers without the check
+        yield
+        return
+    masking_utils.find_packed_sequence_indices = lambda position_ids: None
+    try:
+        yield
+    finally:
+        masking_utils.find_packed_sequence_indices = check

@@ -18,7 +18,7 @@ import torch
 
 from eagle3.errors import ConfigError
 from eagle3.extract import fp8_linear, mla, moe
-from eagle3.extract.attention import apply_attention
+from eagle3.extract.attention import apply_attention, rows_not_packed
 from eagle3.models import ModelInfo, model_info
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -243,7 +243,7 @@ class HFBackend:
     @torch.inference_mode()
     def capture(self, input_ids: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
         self._captured.clear()
-        with pinned_attention(self.attention, self.device):
+        with pinned_attention(self.attention, self.device), rows_not_packed():
             out = self.base(input_ids=input_ids, use_cache=False)
         aux = [self._captured.pop(i) for i in self.capture_layers]
         return aux, out.last_hidden_state
