@@ -189,8 +189,10 @@ def extractor_profile(b, name: str, measured_run) -> dict:
             f"{run['wall_s'] - gaps['span_s']:.2f} s; longest {gaps['longest_gaps_s'][:5]}", flush=True)
     if cuda:
         print(f"[{name}] caching allocator during the run: {p['allocator']}", flush=True)
-        print(f"[{name}] CUDA calls over {HOST_WAIT_S * 1e3:.0f} ms (of {waits['calls_seen']} traced), compute "
-              f"thread: {waits['compute_thread']}; other threads: {waits['other_threads']}", flush=True)
+        where = ("one thread id in the trace, every thread's calls: " if waits["threads_seen"] == 1 else
+                 "compute thread: ")
+        print(f"[{name}] CUDA calls over {HOST_WAIT_S * 1e3:.0f} ms (of {waits['calls_seen']} traced), {where}"
+              f"{waits['compute_thread']}; other threads: {waits['other_threads']}", flush=True)
     for k in p["top"][:6]:
         print(f"[{name}]   {k['s']:8.3f} s  {k['kind']:<17} {k['name'][:110]}", flush=True)
     return p
@@ -227,8 +229,10 @@ def host_waits(prof) -> dict:
     for e in calls:
         launches[e.thread] += "LaunchKernel" in e.name
     compute = max(launches, key=launches.get, default=None)
-    # calls_seen 0: the trace recorded no runtime calls, so empty rows say nothing (not "no call held a thread")
-    out: dict = {"calls_seen": len(calls), "compute_thread": {}, "other_threads": {}}
+    # calls_seen 0: the trace recorded no runtime calls, so empty rows say nothing (not "no call held a thread");
+    # threads_seen 1 with writers running: the trace gave every call one thread id (the H100/H200 device-only traces
+    # of 2026-12-07 did: the writers' event waits landed on "compute_thread"), so only the rows by name hold
+    out: dict = {"calls_seen": len(calls), "threads_seen": len(launches), "compute_thread": {}, "other_threads": {}}
     for e in calls:
         s = (e.time_range.end - e.time_range.start) / 1e6
         if s >= HOST_WAIT_S:

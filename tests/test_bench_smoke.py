@@ -189,6 +189,7 @@ def test_host_waits_finds_the_blocking_cuda_calls_of_the_compute_thread():
                                    "cudaHostAlloc": {"n": 1, "s": pytest.approx(0.002)}}
     assert w["other_threads"] == {"cudaEventSynchronize": {"n": 1, "s": pytest.approx(0.297)}}
     assert w["calls_seen"] == 7  # the runtime calls on the host, short ones included
+    assert w["threads_seen"] == 2
 
 
 def test_mla_check_smoke_builds_the_same_queries_and_keys_in_both_layouts(tmp_path):

@@ -1,4 +1,5 @@
-"""attention="flash" on targets whose value heads are narrower than their query/key heads.
+"""The extractor's attention around transformers': attention="flash" on targets whose value heads are narrower than
+their query/key heads, and a forward without the packed-sequence check (`rows_not_packed`, below).
 
 torch's flash SDPA kernel (CUDA and CPU) needs q, k and v of one head dim. Multi-head latent attention (MLA:
 DeepSeek-V2/V3, Kimi-K2) hands SDPA q/k of head dim qk_nope + qk_rope (192 in DeepSeek-V3) and v of v_head_dim
@@ -69,7 +70,8 @@ def rows_not_packed():
     under an `if`, in the eager model forward outside the compiled layers). The extractor's rows hold one sample
     each at positions 0..L-1, for which the check returns None; here it returns None without the readback. That
     one-byte readback queued on the copy engine behind the previous batch's copy-out (1.9 GB at DeepSeek-V3's
-    width): the compute stream idled ~33 ms a batch until it came back (bench/extract_profile.py).
+    width): the compute stream idled ~33 ms a batch until it came back; without it, no gap over 1 ms (H100,
+    2026-12-07, bench/extract_profile.py; docs/benchmarks.md).
     """
     from transformers import masking_utils
 
