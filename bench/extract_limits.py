@@ -22,7 +22,7 @@ import torch
 
 from bench.extract_moe import MOE_BUDGET, MOE_SHAPES, build_moe_model
 from eagle3.flops import sample_flops
-from eagle3.extract.format import _start_writeback
+from eagle3.extract.format import _start_writeback, write_chunk
 
 
 class ChunkReaper:
@@ -215,6 +215,26 @@ def sha256_rate() -> float:
     return len(blob) / (time.perf_counter() - t)
 
 
+def chunk_write_rate(folder: Path, chunk_bytes: int, reps: int = 2) -> float:
+    """Bytes/s of one chunk of about `chunk_bytes` through the extractor's write_chunk (fsynced, hashed beside the
+    write), the best of `reps`: what one writer, and the shard's last chunk after its last forward, take."""
+    H = 1024
+    T = max(1, chunk_bytes // (4 * H * 2))  # three capture layers and the final state in bf16
+    raw = np.random.default_rng(2).integers(0, 255, T * 4 * H * 2, dtype=np.uint8)
+    states = torch.from_numpy(raw).view(torch.bfloat16).view(T, 4 * H)
+    tensors = {"input_ids": torch.zeros(T, dtype=torch.int32), "loss_mask": torch.ones(T, dtype=torch.uint8),
+               "aux_hidden": states[:, :3 * H], "final_hidden": states[:, 3 * H:].contiguous(),
+               "sample_offsets": torch.tensor([0, T]), "sample_rows": torch.tensor([0])}
+    tensors["aux_hidden"] = tensors["aux_hidden"].contiguous()
+    best = float("inf")
+    for i in range(reps):
+        t = time.perf_counter()
+        rec = write_chunk(folder, i, tensors, fsync=True)
+        best = min(best, time.perf_counter() - t)
+    shutil.rmtree(folder, ignore_errors=True)
+    return rec.bytes / best
+
+
 def machine_limits(device, dtype, work: Path, writers: list[int], chunk_mbs: list[int], disk_gb: float,
                    matmul_n: int | None) -> dict:
     """The matmul rate, and the disk: the best of 1, 2 and as many fsynced writers as the extractor uses (a cloud
@@ -231,6 +251,17 @@ def machine_limits(device, dtype, work: Path, writers: list[int], chunk_mbs: lis
     res["disk_bytes_per_s"] = probes
     res["sha256_bytes_per_s"] = sha256_rate()
     print(f"sha256 (one thread): {res['sha256_bytes_per_s'] / 1e9:.2f} GB/s", flush=True)
+    # one writer's chunk against its two parts alone: in turn they take the sum of their times, beside each other at
+    # best the longer one (write_chunk hashes on a second thread)
+    mb = max(chunk_mbs)
+    write = probes["1_writers" + ("" if one_size else f"_{mb}mb") + "_early_writeback"]
+    sha = res["sha256_bytes_per_s"]
+    chunk = chunk_write_rate(work / "chunk", mb << 20)
+    res["chunk_write"] = {"chunk_mb": mb, "bytes_per_s": chunk, "parts_in_turn": 1 / (1 / write + 1 / sha),
+                          "parts_beside_at_best": min(write, sha)}
+    print(f"one {mb} MB chunk through write_chunk: {chunk / 1e9:.2f} GB/s; its parts alone, write {write / 1e9:.2f} "
+          f"and sha256 {sha / 1e9:.2f}: in turn {res['chunk_write']['parts_in_turn'] / 1e9:.2f}, beside at best "
+          f"{res['chunk_write']['parts_beside_at_best'] / 1e9:.2f}", flush=True)
     print("disk write+fsync: " + ", ".join(f"{v / 1e9:.2f} GB/s ({k})" for k, v in probes.items()), flush=True)
     return res
 

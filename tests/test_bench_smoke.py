@@ -11,7 +11,9 @@ from bench import extract_bench, generate_bench, train_bench
 def test_extract_bench_smoke_measures_every_option_on_the_cpu(tmp_path):
     out = tmp_path / "extract.json"
     assert extract_bench.main(["--smoke", "--work-dir", str(tmp_path / "work"), "--out", str(out)]) == 0
-    models = json.loads(out.read_text())["models"]
+    res = json.loads(out.read_text())
+    models = res["models"]
+    assert res["chunk_write"]["chunk_mb"] == 1 and res["chunk_write"]["bytes_per_s"] > 0  # write_chunk's own rate
     tiny = models["tiny"]
     assert tiny["capture_layers"] == [2, 4, 5] and tiny["extractor"]["tokens"] == tiny["tokens"]
     assert 0 < tiny["fraction_of_limit"] and tiny["ratio_to_naive"] > 0

@@ -91,3 +91,41 @@ def test_durable_chunk_write_queues_each_piece_for_the_disk_as_it_goes(tmp_path,
     plain = fmt.write_chunk(tmp_path / "plain", 0, tensors, fsync=False)
     assert len(queued) == n  # no fsync asked, nothing queued early
     assert plain == rec and (tmp_path / "durable" / rec.file).read_bytes() == (tmp_path / "plain" / rec.file).read_bytes()
+
+
+def test_chunk_is_hashed_on_a_second_thread_piece_by_piece_in_order(tmp_path, monkeypatch):
+    """write_chunk hashes each piece on another thread while it writes the next; the digest is still the file's."""
+    import hashlib
+    import threading
+
+    from eagle3.extract import format as fmt
+    from eagle3.io import sha256_file
+
+    monkeypatch.setattr(fmt, "_WRITE_PIECE", 1 << 10)  # many pieces
+    threads, real = set(), hashlib.sha256
+
+    class Sha256:
+        def __init__(self, data=b""):
+            self.h = real(data)
+
+        def update(self, piece):
+            threads.add(threading.get_ident())
+            self.h.update(piece)
+
+        def hexdigest(self):
+            return self.h.hexdigest()
+
+    monkeypatch.setattr(fmt.hashlib, "sha256", Sha256)
+    T, H = 64, 32
+    g = torch.Generator().manual_seed(0)
+    tensors = {
+        "input_ids": torch.arange(T, dtype=torch.int32), "loss_mask": torch.ones(T, dtype=torch.uint8),
+        "aux_hidden": torch.randn(T, 3 * H, generator=g).to(torch.bfloat16),
+        "final_hidden": torch.randn(T, H, generator=g).to(torch.bfloat16),
+        "sample_offsets": torch.tensor([0, T], dtype=torch.int64), "sample_rows": torch.tensor([3], dtype=torch.int64),
+    }
+    rec = fmt.write_chunk(tmp_path, 0, tensors, fsync=False)
+    monkeypatch.undo()
+    assert threads and threading.get_ident() not in threads
+    assert rec.sha256 == sha256_file(tmp_path / rec.file)
+    assert rec.bytes == (tmp_path / rec.file).stat().st_size > 10 * (1 << 10)  # (many pieces)
