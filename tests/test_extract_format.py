@@ -58,6 +58,17 @@ def test_incomplete_shard_is_refused(tmp_path):
         HiddenStateReader([tmp_path / "nope"])
 
 
+def one_sample_chunk(T: int, H: int, layers: int) -> dict:
+    """A chunk's tensors for one sample of T tokens: `layers` capture layers and the final state, bf16, hidden H."""
+    g = torch.Generator().manual_seed(0)
+    return {
+        "input_ids": torch.arange(T, dtype=torch.int32), "loss_mask": torch.ones(T, dtype=torch.uint8),
+        "aux_hidden": torch.randn(T, layers * H, generator=g).to(torch.bfloat16),
+        "final_hidden": torch.randn(T, H, generator=g).to(torch.bfloat16),
+        "sample_offsets": torch.tensor([0, T], dtype=torch.int64), "sample_rows": torch.tensor([7], dtype=torch.int64),
+    }
+
+
 def test_durable_chunk_write_queues_each_piece_for_the_disk_as_it_goes(tmp_path, monkeypatch):
     """With fsync (every extraction chunk) the writer hands each 16 MB piece to the disk as soon as it is in the
     file, instead of leaving the whole chunk in the page cache until the final fsync; the bytes are the same."""
@@ -67,14 +78,7 @@ def test_durable_chunk_write_queues_each_piece_for_the_disk_as_it_goes(tmp_path,
 
     if fmt._SYNC_FILE_RANGE is None:
         pytest.skip("no sync_file_range(2) here (Linux only)")
-    T, H = 2048, 2 * 1024  # aux 2048 x 4 x 2048 x 2 bytes = 32 MiB, final 8 MiB: 3 pieces of 16 MiB
-    g = torch.Generator().manual_seed(0)
-    tensors = {
-        "input_ids": torch.arange(T, dtype=torch.int32), "loss_mask": torch.ones(T, dtype=torch.uint8),
-        "aux_hidden": torch.randn(T, 4 * H, generator=g).to(torch.bfloat16),
-        "final_hidden": torch.randn(T, H, generator=g).to(torch.bfloat16),
-        "sample_offsets": torch.tensor([0, T], dtype=torch.int64), "sample_rows": torch.tensor([7], dtype=torch.int64),
-    }
+    tensors = one_sample_chunk(2048, 2 * 1024, 4)  # aux 2048 x 4 x 2048 x 2 bytes = 32 MiB, final 8 MiB: 3 pieces
     real, queued = fmt._SYNC_FILE_RANGE, []
 
     def sync_file_range(fd, offset, nbytes, flags):
@@ -116,15 +120,7 @@ def test_chunk_is_hashed_on_a_second_thread_piece_by_piece_in_order(tmp_path, mo
             return self.h.hexdigest()
 
     monkeypatch.setattr(fmt.hashlib, "sha256", Sha256)
-    T, H = 64, 32
-    g = torch.Generator().manual_seed(0)
-    tensors = {
-        "input_ids": torch.arange(T, dtype=torch.int32), "loss_mask": torch.ones(T, dtype=torch.uint8),
-        "aux_hidden": torch.randn(T, 3 * H, generator=g).to(torch.bfloat16),
-        "final_hidden": torch.randn(T, H, generator=g).to(torch.bfloat16),
-        "sample_offsets": torch.tensor([0, T], dtype=torch.int64), "sample_rows": torch.tensor([3], dtype=torch.int64),
-    }
-    rec = fmt.write_chunk(tmp_path, 0, tensors, fsync=False)
+    rec = fmt.write_chunk(tmp_path, 0, one_sample_chunk(64, 32, 3), fsync=False)
     monkeypatch.undo()
     assert threads and threading.get_ident() not in threads
     assert rec.sha256 == sha256_file(tmp_path / rec.file)
