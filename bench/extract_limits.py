@@ -223,9 +223,8 @@ def chunk_write_rate(folder: Path, chunk_bytes: int, reps: int = 2) -> float:
     raw = np.random.default_rng(2).integers(0, 255, T * 4 * H * 2, dtype=np.uint8)
     states = torch.from_numpy(raw).view(torch.bfloat16).view(T, 4 * H)
     tensors = {"input_ids": torch.zeros(T, dtype=torch.int32), "loss_mask": torch.ones(T, dtype=torch.uint8),
-               "aux_hidden": states[:, :3 * H], "final_hidden": states[:, 3 * H:].contiguous(),
+               "aux_hidden": states[:, :3 * H].contiguous(), "final_hidden": states[:, 3 * H:].contiguous(),
                "sample_offsets": torch.tensor([0, T]), "sample_rows": torch.tensor([0])}
-    tensors["aux_hidden"] = tensors["aux_hidden"].contiguous()
     best = float("inf")
     for i in range(reps):
         t = time.perf_counter()
