@@ -234,6 +234,11 @@ def chunk_write_rate(folder: Path, chunk_bytes: int, reps: int = 2) -> float:
     return rec.bytes / best
 
 
+def probe_key(writers: int, mb: int, early: bool, one_size: bool) -> str:
+    """The name of a disk probe in `disk_bytes_per_s` (the chunk size named only where a run measures several)."""
+    return f"{writers}_writers" + ("" if one_size else f"_{mb}mb") + ("_early_writeback" if early else "")
+
+
 def machine_limits(device, dtype, work: Path, writers: list[int], chunk_mbs: list[int], disk_gb: float,
                    matmul_n: int | None) -> dict:
     """The matmul rate, and the disk: the best of 1, 2 and as many fsynced writers as the extractor uses (a cloud
@@ -245,15 +250,15 @@ def machine_limits(device, dtype, work: Path, writers: list[int], chunk_mbs: lis
     probes, one_size = {}, len(set(chunk_mbs)) == 1
     for mb in sorted(set(chunk_mbs)):
         for w, early in itertools.product(sorted({1, 2, max(writers)}), (False, True)):
-            key = f"{w}_writers" + ("" if one_size else f"_{mb}mb") + ("_early_writeback" if early else "")
-            probes[key] = disk_probe(work / "disk", int(disk_gb * 1e9), mb << 20, writers=w, early_writeback=early)
+            probes[probe_key(w, mb, early, one_size)] = disk_probe(work / "disk", int(disk_gb * 1e9), mb << 20,
+                                                                   writers=w, early_writeback=early)
     res["disk_bytes_per_s"] = probes
     res["sha256_bytes_per_s"] = sha256_rate()
     print(f"sha256 (one thread): {res['sha256_bytes_per_s'] / 1e9:.2f} GB/s", flush=True)
     # one writer's chunk against its two parts alone: in turn they take the sum of their times, beside each other at
     # best the longer one (write_chunk hashes on a second thread)
     mb = max(chunk_mbs)
-    write = probes["1_writers" + ("" if one_size else f"_{mb}mb") + "_early_writeback"]
+    write = probes[probe_key(1, mb, True, one_size)]
     sha = res["sha256_bytes_per_s"]
     chunk = chunk_write_rate(work / "chunk", mb << 20)
     res["chunk_write"] = {"chunk_mb": mb, "bytes_per_s": chunk, "parts_in_turn": 1 / (1 / write + 1 / sha),
