@@ -375,8 +375,9 @@ class ShardExtractor:
                                             self.cfg.log_every_s, self.spec.tokens)
         progress, step = self.pipeline.progress, 0
         # each batch's ids go up one batch ahead, behind the forward before it and ahead of that batch's copy-out.
-        # Queued after the copy-out, the compute stream idled ~33 ms a batch, the copy-out's own length (an H100 at
-        # DeepSeek-V3's width, bench/extract_profile.py): the upload likely waited for the copy (not yet re-measured)
+        # The ~33 ms a batch the compute stream once idled (the copy-out's length, H100 and H200 at DeepSeek-V3's
+        # width) was not this upload but a host readback in the forward, queued behind the copy-out
+        # (eagle3.extract.attention.rows_not_packed removes it)
         ahead = (batch_inputs(data, b, self.cfg.pad_multiple, dev, cuda) for batches in todo for b in batches)
         nxt = next(ahead)
         with self.pipeline as pipe:
