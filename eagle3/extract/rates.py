@@ -19,8 +19,9 @@ MEASURED = {
                                         "random Qwen3-30B-A3B shape, fused experts (tma_w), compiled in "
                                         "max-autotune-no-cudagraphs (the class default), a fresh process, 2e6-token "
                                         "shard", "source": "docs/benchmarks.md, H100, 2026-12-07"},
-    # 3 dense + 4 MoE layers: the 61-layer target (3 dense + 58 MoE) has more expert time a token, whose kernels
-    # reach less of the roofline than its dense GEMMs; the fraction may sit between this and moe's
+    # 3 dense + 4 MoE layers, where the 61-layer target has 3 dense + 58 MoE. One MoE layer alone, by the difference
+    # of 4 and 5 layers on an H100 (bench/layer_cost.py, 2026-12-07): its kernels at 72% of its roofline, so about
+    # 0.72 at full depth there; kept at the H200's own figure until an H200 gives that difference
     "moe-mla": {"fraction": 0.68, "figure": "46.0K tokens/s wall = 68% of the active-parameter roofline (73% "
                                             "steady), random DeepSeek-V3 shape at 7 layers, fused experts "
                                             "(tma_w), compiled, 2e6-token shard (the process's second run)",
