@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench import extract_bench  # noqa: E402
 from bench.extract_moe import _DSV3  # noqa: E402
 
 MODEL = "dsv3"
@@ -34,12 +35,12 @@ DENSE_LAYERS = _DSV3["first_k_dense_replace"]
 def run_costs(result: dict) -> dict:
     """One extract_bench result's MoE layer count and microseconds a token: steady, roofline, and kernels by kind
     where profiled."""
-    argv = result["argv"]
-    if "--dsv3-layers" not in argv:
+    layers = extract_bench.parser().parse_args(result["argv"]).dsv3_layers  # the run's own command line
+    if layers is None:
         raise ValueError("layer_cost needs runs that name --dsv3-layers (the depth the result was measured at)")
     m = result["models"][MODEL]
     tokens = m["extractor"]["tokens"]
-    row = {"tokens": tokens, "moe_layers": int(argv[argv.index("--dsv3-layers") + 1]) - DENSE_LAYERS,
+    row = {"tokens": tokens, "moe_layers": layers - DENSE_LAYERS,
            "steady": 1e6 / m["extractor"]["steady_tok_per_s"],
            "roofline": 1e6 / m["matmul_sustained"]["roofline_tok_per_s"], "device": result["device"]}
     prof = m.get("extractor_profile")
@@ -56,7 +57,7 @@ def line(xs: list[int], ys: list[float]) -> tuple[float, float]:
     return float(intercept), float(slope)
 
 
-def layer_costs(results: list[dict], full_layers: int = FULL_LAYERS) -> dict:
+def layer_costs(results: list[dict]) -> dict:
     """Per metric: the rest and one MoE layer in microseconds a token, the MoE layer's fraction of its roofline,
     and the full depth's."""
     rows = [run_costs(r) for r in results]
@@ -69,7 +70,7 @@ def layer_costs(results: list[dict], full_layers: int = FULL_LAYERS) -> dict:
         depths = sorted({r["moe_layers"] + DENSE_LAYERS for r in rows})
         raise ValueError(f"runs at {depths} layers only: a layer's cost is a difference, it needs runs at two depths "
                          "or more")
-    n_full = full_layers - DENSE_LAYERS
+    n_full = FULL_LAYERS - DENSE_LAYERS
     out: dict = {"device": rows[0]["device"], "runs": len(rows), "moe_layers": sorted({r["moe_layers"] for r in rows}),
                  "full_moe_layers": n_full}
     roof = line([r["moe_layers"] for r in rows], [r["roofline"] for r in rows])

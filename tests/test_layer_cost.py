@@ -25,7 +25,7 @@ def bench_result(layers: int, us_rest: float, us_layer: float, roof_rest: float,
         shares = {k: v * tokens / 1e6 / every for k, v in kinds_us.items()}
         model["extractor_profile"] = {"tokens": tokens, "compute_kernel_s": kernel_s, "copy_s": copy_s,
                                       "compute_busy_share": 0.9, "kinds": {**shares, "copy": copy_s / every}}
-    return {"argv": ["--models", "dsv3", "--dsv3-layers", str(layers)], "device": device, "models": {"dsv3": model}}
+    return {"argv": ["--models", "dsv3", f"--dsv3-layers={layers}"], "device": device, "models": {"dsv3": model}}
 
 
 def test_layer_cost_recovers_the_moe_layer_and_the_full_depth_fraction():
