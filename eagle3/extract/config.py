@@ -31,7 +31,7 @@ COMPILE_SCOPES = ("auto", "layers", "moe-blocks")
 COMPILE_MODES = ("auto", "default", "max-autotune-no-cudagraphs")  # eagle3.extract.backend's (a test holds them equal)
 FP8_LINEAR_CHOICES = ("auto", "transformers", "triton", "scaled_mm")  # = eagle3.extract.fp8_linear.CHOICES (tested)
 EXPERTS_KERNEL_CHOICES = ("auto", "tiles", "tma", "tma_w")  # = eagle3.extract.moe.EXPERTS_KERNELS (tested)
-MLA_JOINS_CHOICES = ("auto", "heads-major", "token-major")  # = eagle3.extract.mla.CHOICES (tested)
+MLA_JOINS_CHOICES = ("auto", "heads-major", "token-major", "in-place")  # = eagle3.extract.mla.CHOICES (tested)
 STATE_PARAMS = ("model_path", "capture_layers", "dtype", "storage_dtype", "backend", "attention",
                 "experts_implementation", "compile_mode", "fp8_linear", "experts_kernel", "mla_joins")
 # state params added after shards were extracted without them: what those shards ran with (an FP8 checkpoint's
@@ -129,8 +129,10 @@ class ExtractConfig:
     mla_joins: str = knob("auto", choices=MLA_JOINS_CHOICES,
                           help="MLA targets (DeepSeek-V3, Kimi-K2): the layout their attention joins queries and "
                                "keys in. heads-major: transformers' forward; token-major: the projections' order, "
-                               "handed to the attention as transposed views (eagle3.extract.mla; sdpa and eager "
-                               "attention only); auto = heads-major.")
+                               "handed to the attention as transposed views; in-place: no joins, q roped in its "
+                               "rows and k's rope written into a gap of kv_b's re-laid rows (a plain, unsharded "
+                               "bf16/fp16/fp32 kv_b_proj) (eagle3.extract.mla; token-major and in-place: sdpa and "
+                               "eager attention only); auto = heads-major.")
     compile_cache_dir: str = knob("auto", help="torch's compile caches, shared by the shard tasks of a worker: auto "
                                                "= $EAGLE3_COMPILE_CACHE or ~/.cache/eagle3/compile/<host>; off = "
                                                "torch's default; else a folder (eagle3.extract.compile_cache).")
