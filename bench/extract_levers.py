@@ -7,7 +7,7 @@ variant; one lever a variant, so each row reads against the base:
     --variants "grouped:experts=grouped_mm;batched:experts=batched_mm;eager-experts:experts=eager;
                 blocks:scope=moe-blocks;budget64k:budget=65536;pad64:pad=64;eager:compile=false;
                 autotune:mode=max-autotune-no-cudagraphs;flash:attention=flash;tiles:kernel=tiles;tma_w:kernel=tma_w;
-                tokmajor:mla=token-major"
+                tokmajor:mla=token-major;inplace:mla=in-place"
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""MLA's query/key assembly in two memory layouts, each with the attention that reads it (a lever of issue 28).
+"""MLA's query/key assembly in three memory layouts, each with the attention that reads it (a lever of issue 28).
 
 Multi-head latent attention (DeepSeek-V3: 128 heads, q/k 192 wide = nope 128 + rope 64, v 128) splits each head's
 projected q into a pass-through and a rotary part, ropes the rotary part, and joins them again; each head's k is
@@ -7,12 +7,16 @@ L, 192], the view the attention reads) from the projections' token-major rows. C
 Inductor's pointwise kernels; on the H100 at DeepSeek-V3's width the two ran at about 1 TB/s, a third of the
 memory's rate, and took 8% of the forward's kernel time (2026-12-07, bench/results/moe-dsv3-4layers-extractor-
 profile-h100-2026-12-07-J.json). Built token-major ([B, L, heads, 192], the projections' own order) and handed
-to the attention as the transposed view, the same values move in the order they are read.
+to the attention as the transposed view, the same values move in the order they are read. In place (mla_joins
+"in-place"), nothing is joined: q's rope slice is roped where the projection wrote it, and the shared roped key is
+written into a gap that kv_b's re-laid weight rows leave in its output ([k_nope | gap | v] a head); its price is
+kv_b's GEMM rope / (nope + v) wider, timed beside it (`kv_b_gemm_ms`, plain and gapped).
 
-Both layouts run here side by side, compiled as the extractor compiles (torch.compile, default mode), on the same
+The layouts run here side by side, compiled as the extractor compiles (torch.compile, default mode), on the same
 inputs: the assembly alone (its memory rate against a plain copy of the same bytes) and assembly + causal SDPA
-(what the forward pays, the attention kernel's own choice of layout included). Their outputs are compared, so a
-layout that changes a value is seen. `--smoke`: CPU, eager, a few heads (the code path, not a figure).
+(what the forward pays, the attention kernel's own choice of layout included). Each layout's q, k, v and
+attention output are compared with heads-major's (its row's `q_equal`, ...), so a layout that changes a value is
+seen. `--smoke`: CPU, eager, a few heads (the code path, not a figure).
 
   python3 bench/mla_check.py --tokens 8192,32768 --out $OUT/mla.json
 """
@@ -30,9 +34,9 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.extract_moe import median_time  # noqa: E402
-from eagle3.extract.mla import join_token_major  # noqa: E402
+from eagle3.extract.mla import gap_rows, join_in_place, join_token_major  # noqa: E402
 
-DSV3 = {"heads": 128, "nope": 128, "rope": 64, "v": 128}
+DSV3 = {"heads": 128, "nope": 128, "rope": 64, "v": 128, "lora": 512}
 
 
 def rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -52,7 +56,7 @@ def rope_pair(q, k, cos, sin, unsqueeze_dim: int):
 
 def mla_inputs(tokens: int, dims: dict, device, dtype, seed: int = 0) -> dict:
     """What the attention's projections hand over for one [1, tokens] batch: q's rows, kv_b's rows (nope | v per
-    head), the shared rotary key, and the position's cos/sin."""
+    head), the shared rotary key, and the position's cos/sin; the in-place layout's own copies (in_place_rows)."""
     g = torch.Generator(device="cpu").manual_seed(seed)
     H, nope, rope, v = dims["heads"], dims["nope"], dims["rope"], dims["v"]
 
@@ -62,9 +66,18 @@ def mla_inputs(tokens: int, dims: dict, device, dtype, seed: int = 0) -> dict:
     pos = torch.arange(tokens, dtype=torch.float32)[:, None]
     freqs = pos / (10000 ** (torch.arange(0, rope, 2, dtype=torch.float32) / rope))
     ang = torch.cat([freqs, freqs], dim=-1)[None]
-    return {"q": rand(1, tokens, H * (nope + rope)), "kv": rand(1, tokens, H * (nope + v)),
-            "k_rot": rand(1, tokens, rope), "cos": ang.cos().to(device, dtype), "sin": ang.sin().to(device, dtype),
-            "dims": dims}
+    x = {"q": rand(1, tokens, H * (nope + rope)), "kv": rand(1, tokens, H * (nope + v)),
+         "k_rot": rand(1, tokens, rope), "cos": ang.cos().to(device, dtype), "sin": ang.sin().to(device, dtype),
+         "dims": dims}
+    return {**x, **in_place_rows(x)}
+
+
+def in_place_rows(x: dict) -> dict:
+    """The in-place layout's q and kv_b rows, which it writes into: a copy of q's, and kv's with the gap that kv_b's
+    weight re-laid by the extractor's own gap_rows leaves (zeros: x @ W.T's gap rows)."""
+    H, nope, rope, v = (x["dims"][k] for k in ("heads", "nope", "rope", "v"))
+    kv = gap_rows(x["kv"][0].T, H, nope, rope, v).T.contiguous()[None]
+    return {"q_in_place": x["q"].clone(), "kv_gapped": kv}
 
 
 def assemble_heads_major(x: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -86,7 +99,14 @@ def assemble_token_major(x: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
     return join_token_major(x["q"], x["kv"], x["k_rot"], x["cos"], x["sin"], nope, rope, v, rope_pair)
 
 
-LAYOUTS = {"heads_major": assemble_heads_major, "token_major": assemble_token_major}
+def assemble_in_place(x: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The same values with nothing joined (mla_joins="in-place"): q's rope slice roped in place, the shared key
+    written into kv_b's gapped rows; q, k and v are [B, heads, L, d] views of them. Writes into x's in-place rows."""
+    nope, rope, v = (x["dims"][k] for k in ("nope", "rope", "v"))
+    return join_in_place(x["q_in_place"], x["kv_gapped"], x["k_rot"], x["cos"], x["sin"], nope, rope, v, rope_pair)
+
+
+LAYOUTS = {"heads_major": assemble_heads_major, "token_major": assemble_token_major, "in_place": assemble_in_place}
 
 
 def attention(assemble):
@@ -97,11 +117,23 @@ def attention(assemble):
     return run
 
 
-def assembly_bytes(x: dict) -> int:
-    """The bytes the two joins must move at least: q read and written, k's nope part read and k written."""
+def assembly_bytes(x: dict, layout: str = "heads_major") -> int:
+    """The bytes the two joins must move at least: q read and written, k's nope part read and k written; in place,
+    q's rope slice read and written and k's written."""
     H, nope, rope = (x["dims"][k] for k in ("heads", "nope", "rope"))
     T, e = x["q"].shape[1], x["q"].element_size()
-    return T * H * e * (2 * (nope + rope) + nope + (nope + rope))
+    return T * H * e * (3 * rope if layout == "in_place" else 2 * (nope + rope) + nope + (nope + rope))
+
+
+def kv_b_gemm_ms(x: dict, device, reps: int, wrap) -> dict:
+    """kv_b's GEMM over one batch's latent rows, its weight as transformers lays it and with in-place's gap rows."""
+    H, nope, rope, v, lora = (x["dims"][k] for k in ("heads", "nope", "rope", "v", "lora"))
+    g = torch.Generator(device="cpu").manual_seed(1)
+    latent = torch.randn(1, x["q"].shape[1], lora, generator=g).to(x["q"])
+    w = torch.randn(H * (nope + v), lora, generator=g).to(x["q"])
+    gemm = wrap(F.linear)
+    return {name: round(1e3 * median_time(lambda w=w: gemm(latent, w), device, reps), 4)
+            for name, w in (("plain", w), ("gapped", gap_rows(w, H, nope, rope, v)))}
 
 
 def check(tokens: int, dims: dict, device, dtype, reps: int, compiled: bool) -> dict:
@@ -110,21 +142,26 @@ def check(tokens: int, dims: dict, device, dtype, reps: int, compiled: bool) -> 
     row: dict = {"tokens": tokens, "compiled": compiled}
     outs = {}
     for name, assemble in LAYOUTS.items():
-        join = wrap(lambda x, a=assemble: a(x)[:2])  # both joins' outputs, as made (no copy after)
+        join = wrap(lambda x, a=assemble: a(x))  # q, k (both joins' outputs, as made: no copy after) and v
         full = wrap(attention(assemble))
         ms_join, ms_full = (1e3 * median_time(lambda f=f: f(x), device, reps) for f in (join, full))
-        q, k = (t.contiguous() for t in join(x))  # as compiled: Inductor may round the rope otherwise than eager
-        outs[name] = (q, k, full(x))
+        x.update(in_place_rows(x))  # in place, each call ropes its q again: fresh rows for the values compared
+        qkv = [t.contiguous() for t in join(x)]  # as compiled: Inductor may round the rope otherwise than eager
+        x.update(in_place_rows(x))
+        outs[name] = (*qkv, full(x))
         row[name] = {"assembly_ms": round(ms_join, 4), "attention_ms": round(ms_full, 4),
-                     "assembly_tb_s": round(assembly_bytes(x) / ms_join / 1e9, 3)}
+                     "assembly_tb_s": round(assembly_bytes(x, name) / ms_join / 1e9, 3)}
     copy_src = torch.empty(assembly_bytes(x) // 2, dtype=torch.uint8, device=device)
     row["copy_tb_s"] = round(assembly_bytes(x) / (1e3 * median_time(copy_src.clone, device, reps)) / 1e9, 3)
-    (qa, ka, oa), (qb, kb, ob) = outs["heads_major"], outs["token_major"]
-    row["q_equal"], row["k_equal"] = bool(torch.equal(qa, qb)), bool(torch.equal(ka, kb))
-    row["out_rel_l2"] = float((oa.float() - ob.float()).norm() / oa.float().norm())
-    hm, tm = row["heads_major"], row["token_major"]
-    row["assembly_speedup"] = round(hm["assembly_ms"] / tm["assembly_ms"], 3)
-    row["attention_speedup"] = round(hm["attention_ms"] / tm["attention_ms"], 3)
+    row["kv_b_gemm_ms"] = kv_b_gemm_ms(x, device, reps, wrap)
+    (qa, ka, va, oa), hm = outs["heads_major"], row["heads_major"]
+    for name in list(LAYOUTS)[1:]:  # each against transformers' heads-major
+        (qb, kb, vb, ob), r = outs[name], row[name]
+        r.update(q_equal=bool(torch.equal(qa, qb)), k_equal=bool(torch.equal(ka, kb)),
+                 v_equal=bool(torch.equal(va, vb)), out_rel_l2=float((oa.float() - ob.float()).norm() /
+                                                                      oa.float().norm()),
+                 assembly_speedup=round(hm["assembly_ms"] / r["assembly_ms"], 3),
+                 attention_speedup=round(hm["attention_ms"] / r["attention_ms"], 3))
     return row
 
 
@@ -141,17 +178,20 @@ def main(argv=None) -> int:
     args = parser().parse_args(argv)
     cuda = torch.cuda.is_available() and not args.smoke
     device, dtype = torch.device("cuda" if cuda else "cpu"), torch.bfloat16 if cuda else torch.float32
-    dims = DSV3 if not args.smoke else {"heads": 4, "nope": 16, "rope": 8, "v": 16}
+    dims = DSV3 if not args.smoke else {"heads": 4, "nope": 16, "rope": 8, "v": 16, "lora": 16}
     tokens = [64] if args.smoke else [int(t) for t in args.tokens.split(",")]
     rows = []
     for t in tokens:
         row = check(t, dims, device, dtype, 3 if args.smoke else args.reps, compiled=cuda)
         rows.append(row)
-        print(f"[mla {t} tokens] assembly: heads-major {row['heads_major']['assembly_ms']:.3f} ms "
-              f"({row['heads_major']['assembly_tb_s']:.2f} TB/s), token-major {row['token_major']['assembly_ms']:.3f}"
-              f" ms ({row['token_major']['assembly_tb_s']:.2f} TB/s), a copy {row['copy_tb_s']:.2f} TB/s; with the "
-              f"attention {row['attention_speedup']:.3f}x; q/k equal {row['q_equal']}/{row['k_equal']}, out rel L2 "
-              f"{row['out_rel_l2']:.2e}", flush=True)
+        print(f"[mla {t} tokens] heads-major assembly {row['heads_major']['assembly_ms']:.3f} ms "
+              f"({row['heads_major']['assembly_tb_s']:.2f} TB/s), a copy {row['copy_tb_s']:.2f} TB/s; kv_b's GEMM "
+              f"{row['kv_b_gemm_ms']['plain']:.3f} ms, gapped {row['kv_b_gemm_ms']['gapped']:.3f} ms", flush=True)
+        for name in list(LAYOUTS)[1:]:
+            r = row[name]
+            print(f"  {name}: assembly {r['assembly_ms']:.3f} ms ({r['assembly_tb_s']:.2f} TB/s) "
+                  f"{r['assembly_speedup']:.3f}x, with the attention {r['attention_speedup']:.3f}x; q/k/v equal "
+                  f"{r['q_equal']}/{r['k_equal']}/{r['v_equal']}, out rel L2 {r['out_rel_l2']:.2e}", flush=True)
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"device": torch.cuda.get_device_name() if cuda else "cpu", "dims": dims, "rows": rows}, f,

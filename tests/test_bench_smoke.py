@@ -194,16 +194,28 @@ def test_host_waits_finds_the_blocking_cuda_calls_of_the_compute_thread():
     assert w["threads_seen"] == 2
 
 
-def test_mla_check_smoke_builds_the_same_queries_and_keys_in_both_layouts(tmp_path):
-    """bench/mla_check.py: MLA's q/k joined token-major are the values transformers' heads-major order makes, and
-    the attention over them gives the same output; each layout timed."""
+def test_mla_check_smoke_builds_the_same_queries_and_keys_in_every_layout(tmp_path):
+    """bench/mla_check.py: MLA's q/k joined token-major, and q/k/v left in place (kv_b's rows gapped), are the
+    values transformers' heads-major order makes, and the attention over them gives the same output; each layout
+    timed, and kv_b's GEMM plain and gapped."""
     from bench import mla_check
 
     out = tmp_path / "mla.json"
     assert mla_check.main(["--smoke", "--out", str(out)]) == 0
     (row,) = json.loads(out.read_text())["rows"]
-    assert row["q_equal"] and row["k_equal"] and row["out_rel_l2"] < 1e-6
+    assert set(mla_check.LAYOUTS) == {"heads_major", "token_major", "in_place"}
+    for name in ("token_major", "in_place"):
+        r = row[name]
+        assert r["q_equal"] and r["k_equal"] and r["v_equal"] and r["out_rel_l2"] < 1e-6, (name, r)
     assert all(row[k]["assembly_ms"] > 0 and row[k]["attention_ms"] > 0 for k in mla_check.LAYOUTS)
+    assert row["kv_b_gemm_ms"]["plain"] > 0 and row["kv_b_gemm_ms"]["gapped"] > 0
+    # in place: q and k are views of the projections' own rows, roped and written there (no joined copy)
+    x = mla_check.mla_inputs(8, {"heads": 2, "nope": 4, "rope": 4, "v": 4}, "cpu", torch.float32)
+    q, k, v = mla_check.assemble_in_place(x)
+    assert q.data_ptr() == x["q_in_place"].data_ptr() and k.data_ptr() == x["kv_gapped"].data_ptr()
+    assert v.data_ptr() == k.data_ptr() + (4 + 4) * 4  # after the head's k_nope and gap, float32
+    want = mla_check.assemble_heads_major(x)
+    assert all(torch.equal(a, b) for a, b in zip((q, k, v), want))
     # the rope is applied: the rotary part differs from the projection's own values
     x = mla_check.mla_inputs(8, {"heads": 2, "nope": 4, "rope": 4, "v": 4}, "cpu", torch.float32)
     q, _, _ = mla_check.assemble_token_major(x)

@@ -292,6 +292,9 @@ def test_an_abbreviated_flag_or_a_bad_value_is_reported():
 
 def test_bad_variants_studies_and_ablations_are_reported():
     assert variant_problems("fused:experts=triton_fused;blocks:scope=moe-blocks;budget64k:budget=65536") == []
+    assert variant_problems("tokmajor:mla=token-major;inplace:mla=in-place") == []  # mla_joins' choices
+    assert variant_problems("x:mla=in_place") == [
+        "--variants x: mla_joins='in_place' is not one of ['auto', 'heads-major', 'token-major', 'in-place']"]
     assert variant_problems("a:expert=triton_fused")[0].startswith("--variants 'a:expert=triton_fused': 'expert=")
     assert variant_problems("a:experts=triton;b:mode=max-autotune") == [
         "--variants a: experts_implementation='triton' is not one of "

@@ -12,8 +12,9 @@ Both joins still copy all of q and all of k. `in_place_forward` copies neither: 
 each head's [nope | rope], so only the rope slice is roped and written back; kv_b's weight rows are re-laid once
 (`apply`) as [k_nope | rope zero rows | v] a head, so its output leaves a gap the shared roped key is written into,
 and key and value are views of that one output. The price is kv_b's GEMM rope / (nope + v) wider (25% at
-DeepSeek-V3's 128 + 64 + 128), a small GEMM; the weight is a plain floating nn.Linear's, unsharded, or it is
-refused. Going back to another layout drops the gap rows, giving the weight back bit for bit.
+DeepSeek-V3's 128 + 64 + 128), a small GEMM. Only a plain, unsharded floating nn.Linear is re-laid (an FP8
+checkpoint's block scales would straddle the gap): others are refused. Going back to another layout drops the gap
+rows, giving the weight back bit for bit.
 
 mla_joins: "heads-major" runs transformers' forward, "token-major" and "in-place" these, "auto" heads-major.
 Measured (one H200, 2026-12-07, bench/mla_check.py, compiled, DeepSeek-V3's 128 heads): the token-major joins 1.09x
