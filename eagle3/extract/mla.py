@@ -19,8 +19,9 @@ rows, giving the weight back bit for bit.
 mla_joins: "heads-major" runs transformers' forward, "token-major" and "in-place" these, "auto" heads-major.
 Measured (one H200, 2026-12-07, bench/mla_check.py, compiled, DeepSeek-V3's 128 heads): the token-major joins 1.09x
 at 32K tokens and 0.98x at 8K, at 2.2-2.4 TB/s both (a copy: 4.1); with the attention beside them 1.006x / 1.05x.
-Too small a share of the forward to run the extractor's own forward by default; in-place has no figure yet. The
-extractor runs no KV cache; a cache handed here is refused.
+Too small a share of the forward to run the extractor's own forward by default. In-place lost (one H100, 2026-12-07,
+DeepSeek-V3 at 4 layers, whole extractor): 0.96x steady, 1.00x wall; its writes alone ran 0.4x the joins, cause
+not profiled. The extractor runs no KV cache; a cache handed here is refused.
 """
 
 from __future__ import annotations
