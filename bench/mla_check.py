@@ -10,7 +10,9 @@ profile-h100-2026-12-07-J.json). Built token-major ([B, L, heads, 192], the proj
 to the attention as the transposed view, the same values move in the order they are read. In place (mla_joins
 "in-place"), nothing is joined: q's rope slice is roped where the projection wrote it, and the shared roped key is
 written into a gap that kv_b's re-laid weight rows leave in its output ([k_nope | gap | v] a head); its price is
-kv_b's GEMM rope / (nope + v) wider, timed beside it (`kv_b_gemm_ms`, plain and gapped).
+kv_b's GEMM rope / (nope + v) wider, timed beside it (`kv_b_gemm_ms`, plain and gapped). Here its writes go into
+the compiled function's inputs, which Inductor compiles as all of q's and kv's rows written anew and copied back
+(read on the CPU): its row overstates its cost; the whole extractor's side-by-side run is its figure.
 
 The layouts run here side by side, compiled as the extractor compiles (torch.compile, default mode), on the same
 inputs: the assembly alone (its memory rate against a plain copy of the same bytes) and assembly + causal SDPA
